@@ -1,0 +1,78 @@
+"""A request's state inside the scheduler process (plain Python, no torch).
+
+There are no prefill and decode phases: a sequence tracks `num_computed_tokens` (tokens
+whose KV is in the cache) against `num_tokens` (prompt + output). A step computes some of
+the missing tokens; when it reaches the end, the last position's logits give the next
+token. Draft tokens (speculation) extend the tokens to compute; rejecting them is one
+subtraction of `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from specd.ipc.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the model's maximum length
+    ABORT = "abort"  # aborted by the client or the operator
+
+
+class Sequence:
+    """One request. All state is assigned here; nothing is added later."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: the prompt has no tokens")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
+        self.block_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        # Draft tokens proposed for the next verify step (speculation); empty otherwise.
+        self.spec_token_ids: list[int] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
