@@ -1,0 +1,114 @@
+"""The engine's configuration: one frozen object, built once, validated, passed down whole.
+
+Option names match the daemon's CLI flags (`--max-num-seqs` is `max_num_seqs`). Values
+found at run time (the number of KV blocks, say) live in `EngineResolved`, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIXTURE_DIR = Path(__file__).resolve().parent / "fixture"
+FIXTURE_DRAFT_DIR = FIXTURE_DIR / "eagle3"
+
+DTYPES = ("bfloat16", "float16", "float32")
+SPEC_MODES = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to build itself.
+
+    model: a Hugging Face model directory; None serves the embedded fixture model.
+    dtype: activation and unquantized weight dtype ("auto" = float32 on the CPU, where
+        bf16 matmuls are slow, and bfloat16 on CUDA).
+    kv_cache_memory_bytes: budget for the paged KV cache; the block count follows from it.
+    num_kv_blocks: overrides the budget with an exact block count (tests force preemption).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 * 2**20
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    # Speculative decoding (EAGLE-3).
+    speculative_algorithm: str | None = "eagle3"
+    draft_model: str | None = None
+    spec_num_steps: int = 5
+    spec_topk: int = 1
+    spec_num_draft_tokens: int = 6
+    spec_mode: str = "auto"
+    spec_disable_batch_threshold: int = 16
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
+                f"got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.speculative_algorithm not in (None, "eagle3"):
+            raise ValueError(
+                f"speculative_algorithm must be eagle3 or None, got {self.speculative_algorithm!r}")
+        if self.spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}")
+        if not 1 <= self.spec_num_steps <= 16:
+            raise ValueError(f"spec_num_steps must be in [1, 16], got {self.spec_num_steps}")
+        if not 1 <= self.spec_topk <= 8:
+            raise ValueError(f"spec_topk must be in [1, 8], got {self.spec_topk}")
+        if not 1 <= self.spec_num_draft_tokens <= 64:
+            raise ValueError(
+                f"spec_num_draft_tokens must be in [1, 64], got {self.spec_num_draft_tokens}")
+        if self.spec_disable_batch_threshold < 1:
+            raise ValueError(
+                f"spec_disable_batch_threshold must be >= 1, got {self.spec_disable_batch_threshold}")
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else FIXTURE_DIR
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        if self.draft_model:
+            return Path(self.draft_model)
+        return FIXTURE_DRAFT_DIR if self.model is None else None
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True)
+class EngineResolved:
+    """What the engine found at start-up: reported in Ready, status and doctor."""
+
+    model_name: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    eos_token_ids: tuple[int, ...]
+    speculative: bool
