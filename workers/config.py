@@ -80,8 +80,8 @@ class EngineConfig:
             raise ValueError(
                 f"spec_num_draft_tokens must be in [1, 64], got {self.spec_num_draft_tokens}")
         if self.spec_disable_batch_threshold < 1:
-            raise ValueError(
-                f"spec_disable_batch_threshold must be >= 1, got {self.spec_disable_batch_threshold}")
+            raise ValueError("spec_disable_batch_threshold must be >= 1, "
+                             f"got {self.spec_disable_batch_threshold}")
 
     @property
     def model_path(self) -> Path:
