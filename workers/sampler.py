@@ -1,0 +1,164 @@
+"""Sampling: pure torch functions from logits to next tokens, one row per request.
+
+Rows in one batch may carry different `SamplingParams`; every function works on the whole
+batch at once. The filters are applied in the order transformers and SGLang use:
+
+    probs = softmax(logits / temperature)
+    top-k:  keep every token whose prob is >= the k-th largest (ties at the boundary kept)
+    top-p:  renormalize, sort descending; keep the smallest prefix whose sum reaches top_p,
+            plus every token tied with the last one kept
+    min-p:  keep tokens whose prob is >= min_p * the largest prob
+    renormalize over the kept tokens
+
+Ties are kept whole so that the result does not depend on how a sort orders equal values.
+Greedy rows (temperature 0) are one-hot at the argmax (the lowest token id among equal
+maxima). Sampling uses the exponential race (`argmax(probs / q)`, q ~ Exp(1)), which draws
+from `probs` exactly and lets each seeded row draw its noise from its own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from specd.ipc.sampling import SamplingParams
+from specd.workers.batch import TokenLogprobs
+
+
+def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: [M, V] float32, rows sum to 1.
+
+    logits: [M, V] (any float dtype; computed in float32). params: one per row.
+    Greedy rows are one-hot at the argmax of the raw logits.
+    """
+    _check_rows(logits, params, "params")
+    logits = logits.float()
+    num_rows = logits.shape[0]
+    greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    temperature = torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [M, V]
+    if any(_filters(p) for p in params if not p.is_greedy):
+        probs = _filter(probs, params)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot[torch.arange(num_rows, device=logits.device), logits.argmax(dim=-1)] = 1.0
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One next token per row: int64 [M].
+
+    Greedy rows take the argmax and draw no random numbers. Other rows sample from
+    `probs_from_logits`; a row with a generator draws its noise from it alone (so a seeded
+    request gives the same tokens whatever else is in the batch); rows with None share
+    `default_generator` (None = torch's global generator).
+    """
+    _check_rows(logits, generators, "generators")
+    if all(p.is_greedy for p in params):
+        _check_rows(logits, params, "params")
+        return logits.argmax(dim=-1)
+    return sample_from_probs(probs_from_logits(logits, params), generators, default_generator)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row of `probs` [M, V] (rows sum to 1): int64 [M].
+
+    Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is distributed as p.
+    A one-hot row always returns its hot index, so greedy rows may go through here too.
+    """
+    _check_rows(probs, generators, "generators")
+    noise = torch.empty_like(probs, dtype=torch.float32)  # [M, V]
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        noise.exponential_(generator=default_generator)
+    for i in seeded:
+        noise[i].exponential_(generator=generators[i])
+    # Exp(1) can return exactly 0 (then p / q is inf or nan); the smallest normal float keeps
+    # p = 0 tokens at 0 and changes the distribution by less than float32 can represent.
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], n: int | Sequence[int],
+) -> list[TokenLogprobs]:
+    """Log-probabilities of the chosen tokens and the top-n alternatives, per row.
+
+    As vLLM does by default, these are under the model's raw distribution: log_softmax of the
+    unmodified logits, before temperature and the top-k/top-p/min-p filters. The top-n are in
+    descending order, ties by ascending token id. n is one count for every row or one per row.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0]
+    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device)
+    if ids.shape != (num_rows,):
+        raise ValueError(f"token_ids must have shape ({num_rows},), got {tuple(ids.shape)}")
+    counts = [n] * num_rows if isinstance(n, int) else list(n)
+    if len(counts) != num_rows or any(c < 0 for c in counts):
+        raise ValueError(f"n must be >= 0, once or once per row ({num_rows}), got {n}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    max_n = min(max(counts, default=0), logits.shape[1])
+    top_values: list[list[float]] = [[] for _ in range(num_rows)]
+    top_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    if max_n > 0:
+        values, indices = logprobs.sort(dim=-1, descending=True, stable=True)  # [M, V]
+        top_values, top_ids = values[:, :max_n].tolist(), indices[:, :max_n].tolist()
+    return [
+        TokenLogprobs(logprob=chosen[i], top_ids=top_ids[i][:c], top_logprobs=top_values[i][:c])
+        for i, c in enumerate(counts)
+    ]
+
+
+def _filters(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to `probs` [M, V] and renormalize."""
+    num_rows, vocab = probs.shape
+    device = probs.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    # Sorted descending; stable so that equal probs keep token-id order. [M, V] each.
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+
+    kth = sorted_probs.gather(1, (top_k - 1)[:, None])  # [M, 1]
+    kept = torch.where(sorted_probs >= kth, sorted_probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+
+    # Exclusive prefix sums: position i is in the smallest prefix reaching top_p iff the
+    # mass before it is < top_p. Rows with top_p = 1 skip this (rounding could drop the tail).
+    before = kept.cumsum(dim=-1) - kept
+    in_prefix = (before < top_p[:, None]) & (kept > 0)
+    last = in_prefix.sum(dim=-1, keepdim=True) - 1  # index of the last kept, [M, 1]
+    p_threshold = kept.gather(1, last)
+    p_threshold = torch.where(top_p[:, None] >= 1.0, 0.0, p_threshold)
+    kept = torch.where(kept >= p_threshold, kept, 0.0)
+
+    m_threshold = min_p[:, None] * kept[:, :1]  # kept[:, 0] is the largest
+    kept = torch.where(kept >= m_threshold, kept, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, kept)
+
+
+def _check_rows(logits: torch.Tensor, per_row: Sequence[object], name: str) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
+    if len(per_row) != logits.shape[0]:
+        raise ValueError(
+            f"{name} must have one entry per logits row ({logits.shape[0]}), got {len(per_row)}")
