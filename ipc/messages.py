@@ -1,0 +1,295 @@
+"""Every message specd sends between processes: one tagged union per direction and channel.
+
+Two channels:
+
+* client <-> front (Unix socket, length-prefixed msgpack; see docs/protocol.md):
+  `ClientMessage` (client -> front) and `ServerMessage` (front -> client). Requests forbid
+  unknown fields and bound every value, so a typed decode is the whole validation of shape.
+* front <-> scheduler (ZeroMQ, msgpack): `ToScheduler` and `FromScheduler`.
+
+Messages that travel once per token or per step (`Delta`, `TokenDelta`, `StepOutput`) are
+`array_like`: a delta is a short msgpack array, not a map with field names. (msgspec writes
+every field of an array-like Struct; a decoder fills trailing fields that are missing with
+their defaults, so fields may be appended later without breaking old senders.)
+Every Struct is frozen; the tag (`"type"` in map-shaped messages, the first element in
+array-shaped ones) names the message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+from specd.ipc.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# Bounds on what one client request may carry; the frame cap bounds the total as well.
+ClientId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+MAX_PROMPT_CHARS = 4 * 2**20
+MAX_MESSAGES = 1024
+
+ERROR_CODES = (
+    "bad_frame",  # framing broken (size, truncation, garbage): the connection is closed
+    "bad_request",  # a frame that does not decode to a valid request; the connection stays
+    "prompt_too_long",  # prompt tokens + max_tokens exceed the model's maximum length
+    "overloaded",  # the request queue is full; retry later
+    "starting",  # the scheduler has not finished warming up
+    "shutting_down",  # the daemon drains: no new requests
+    "scheduler_unavailable",  # the scheduler died or hung; the daemon exits and restarts
+    "deadline_exceeded",  # the request's deadline passed before it finished
+    "drained",  # the drain timeout ended the request
+    "slow_reader",  # the client did not read its output; its requests were aborted
+    "duplicate_id",  # a request id already in flight on this connection
+    "not_found",  # abort of an id that is not in flight
+    "internal_error",  # a bug in specd; the log has the traceback
+)
+
+
+# ---- client -> front ---------------------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+
+
+class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    """Every client request carries `id`, chosen by the client and echoed in every reply."""
+
+    id: ClientId
+
+
+class Generate(_Request, frozen=True, tag="generate"):
+    """Exactly one of `prompt` (raw text), `messages` (rendered with the model's chat
+    template) or `prompt_token_ids`. `stream=True` sends `Delta` frames as text arrives;
+    either way a `Final` (or an `Error`) ends the request. `deadline_s`: seconds from
+    arrival after which the request ends with `deadline_exceeded`."""
+
+    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    sampling: SamplingParams = SamplingParams()
+    stream: bool = True
+    deadline_s: Annotated[float, Meta(gt=0, le=86400)] | None = None
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+
+
+class Abort(_Request, frozen=True, tag="abort"):
+    """Abort the in-flight request `target` of this connection."""
+
+    target: ClientId
+
+
+class StatusQuery(_Request, frozen=True, tag="status"):
+    pass
+
+
+class StatsQuery(_Request, frozen=True, tag="stats"):
+    pass
+
+
+class SetSpec(_Request, frozen=True, tag="spec"):
+    """Speculation mode: on, off or auto (with an optional batch-size threshold)."""
+
+    mode: Annotated[str, Meta(pattern="^(on|off|auto)$")]
+    threshold: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
+
+
+class Drain(_Request, frozen=True, tag="drain"):
+    """Stop accepting, let in-flight requests finish within `timeout_s`, then exit 0."""
+
+    timeout_s: Annotated[float, Meta(ge=0, le=86400)] | None = None
+
+
+class Stop(_Request, frozen=True, tag="stop"):
+    """End every request now (error `shutting_down`), stop the scheduler, exit 0."""
+
+
+ClientMessage = Generate | Abort | StatusQuery | StatsQuery | SetSpec | Drain | Stop
+
+
+# ---- front -> client ---------------------------------------------------------------------
+
+
+class _Reply(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag_field="type"):
+    """Replies are msgpack arrays: [tag, field, field, ...] in declaration order
+    (docs/protocol.md lists every field)."""
+
+
+class Delta(_Reply, frozen=True, tag="delta"):
+    """Streamed output: new text and the token ids it came from (text may lag the ids by a
+    few tokens: it never holds half a UTF-8 character or a possible stop string's start)."""
+
+    id: int
+    text: str = ""
+    token_ids: list[int] = []
+
+
+class Final(_Reply, frozen=True, tag="final"):
+    """The end of a generate request. `text`/`token_ids` hold the whole output when the
+    request did not stream and the rest not yet streamed otherwise.
+    finish_reason: "stop" (EOS, stop token or stop string), "length", "abort".
+    acceptance_length: mean tokens per verify step (1 + accepted / drafted steps), 0 if none."""
+
+    id: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    text: str = ""
+    token_ids: list[int] = []
+    num_cached_tokens: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    acceptance_length: float = 0.0
+    stop_string: str | None = None
+
+
+class Error(_Reply, frozen=True, tag="error"):
+    """`id` is the request it ends, or None when the error belongs to the connection."""
+
+    id: int | None
+    code: str
+    message: str
+
+
+class StatusReply(_Reply, frozen=True, tag="status"):
+    id: int
+    state: str  # starting | ready | draining | failed
+    protocol: int
+    version: str
+    uptime_s: float
+    model: str
+    num_open_requests: int
+    num_connections: int
+    resolved: dict[str, Any]
+    engine: dict[str, Any]
+    provenance: dict[str, Any]
+    config: dict[str, Any]
+
+
+class StatsReply(_Reply, frozen=True, tag="stats"):
+    id: int
+    stats: dict[str, Any]
+
+
+class Ack(_Reply, frozen=True, tag="ack"):
+    id: int
+    message: str
+
+
+ServerMessage = Delta | Final | Error | StatusReply | StatsReply | Ack
+
+
+# ---- front -> scheduler ------------------------------------------------------------------
+
+
+class _Link(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag_field="type"):
+    """Link messages are msgpack arrays led by their tag (internal; both ends run the same
+    code version, which the Ready handshake checks)."""
+
+
+class AddRequest(_Link, frozen=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortRequests(_Link, frozen=True, tag="abort"):
+    request_ids: list[str]
+
+
+class SetSpecMode(_Link, frozen=True, tag="spec"):
+    query_id: int
+    mode: str
+    threshold: int | None = None
+
+
+class QueryStats(_Link, frozen=True, tag="stats"):
+    query_id: int
+
+
+class Shutdown(_Link, frozen=True, tag="shutdown"):
+    pass
+
+
+ToScheduler = AddRequest | AbortRequests | SetSpecMode | QueryStats | Shutdown
+
+
+# ---- scheduler -> front ------------------------------------------------------------------
+
+
+class StartupStage(_Link, frozen=True, tag="stage"):
+    """Sent as the scheduler enters each start-up stage (for sd_notify STATUS)."""
+
+    stage: str
+
+
+class Ready(_Link, frozen=True, tag="ready"):
+    resolved: dict[str, Any]
+    code_version: str
+    modules: dict[str, str]  # module name -> file it was imported from
+    packages: dict[str, str]  # distribution -> version (torch, triton, ...)
+    pid: int
+    warmup_s: float
+
+
+class SchedulerFailed(_Link, frozen=True, tag="failed"):
+    """The scheduler is about to exit because `stage` raised (load, warmup, loop, ...)."""
+
+    stage: str
+    error: str
+    traceback: str
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One request's share of a step (see workers.engine.RequestDelta); figures cumulative."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+
+class StepOutput(_Link, frozen=True, tag="step"):
+    """One engine step; sent after every step that ran, even with no deltas (a progress
+    heartbeat for the front's watchdog)."""
+
+    step: int
+    deltas: list[TokenDelta] = []
+
+
+class RequestRejected(_Link, frozen=True, tag="rejected"):
+    """The engine refused an AddRequest (ValueError: prompt too long, bad token ids)."""
+
+    request_id: str
+    message: str
+
+
+class QueryReply(_Link, frozen=True, tag="reply"):
+    """Answer to SetSpecMode or QueryStats; `error` set when it failed."""
+
+    query_id: int
+    result: dict[str, Any]
+    error: str | None = None
+
+
+class Stopped(_Link, frozen=True, tag="stopped"):
+    pass
+
+
+FromScheduler = (
+    StartupStage | Ready | SchedulerFailed | StepOutput | RequestRejected | QueryReply | Stopped
+)
