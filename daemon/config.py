@@ -1,0 +1,92 @@
+"""The daemon's configuration: one frozen object built once from the CLI and validated.
+
+Engine options live in `engine` (an `EngineConfig`, whose fields are the CLI's engine flags
+one to one); everything here is about the front process: where it listens, how long it
+waits for what, how much it buffers. Paths derived from these values are properties.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specd.workers.config import EngineConfig
+
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_socket_path() -> Path:
+    """`/run/specd/specd.sock` for root, else `$XDG_RUNTIME_DIR/specd/specd.sock`
+    (falling back to `/tmp/specd-<uid>/specd.sock` when XDG_RUNTIME_DIR is unset)."""
+    if os.geteuid() == 0:
+        return Path("/run/specd/specd.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "specd" / "specd.sock"
+    return Path(f"/tmp/specd-{os.geteuid()}") / "specd.sock"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Front-process settings (times in seconds, sizes in bytes).
+
+    max_pending_requests: open generate requests across all clients; one more is answered
+        `overloaded` at once.
+    idle_timeout_s: a connection that sends no frame for this long is closed (None: never).
+    frame_timeout_s: a frame whose first byte arrived must be complete within this.
+    write_buffer_bytes: output queued for a client that does not read; above it the
+        client's requests are aborted (`slow_reader`) and the connection closed.
+    drain_timeout_s: SIGTERM / `specctl drain` waits this long for in-flight requests.
+    hang_timeout_s: a scheduler with work that sends no step output for this long is hung.
+    startup_timeout_s: the scheduler must send Ready within this (load + warm-up).
+    max_stop_strings / max_stop_chars: bounds on a request's stop strings.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    socket_path: Path = field(default_factory=default_socket_path)
+    socket_mode: int = 0o660
+    log_format: str = "text"
+    log_level: str = "info"
+    max_frame_bytes: int = 4 * 2**20
+    max_connections: int = 1024
+    max_pending_requests: int = 256
+    idle_timeout_s: float | None = None
+    frame_timeout_s: float = 10.0
+    write_buffer_bytes: int = 8 * 2**20
+    drain_timeout_s: float = 30.0
+    hang_timeout_s: float = 60.0
+    startup_timeout_s: float = 1800.0
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+
+    def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ValueError(f"socket_mode must be a permission mode, got {self.socket_mode:o}")
+        for name in ("max_frame_bytes", "max_connections", "max_pending_requests",
+                     "write_buffer_bytes", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_frame_bytes >= 2**32:
+            raise ValueError(f"max_frame_bytes must be < 2**32, got {self.max_frame_bytes}")
+        for name in ("frame_timeout_s", "hang_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.socket_path.parent
+
+    @property
+    def runtime_base_dir(self) -> Path:
+        """Where the front makes its private link directory (next to the socket)."""
+        return self.socket_dir
