@@ -1,0 +1,100 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, and the one place linears are made.
+
+Numerics follow transformers' Llama family exactly (RMSNorm in float32, then cast; rope
+frequencies in float32, cos/sin cast to the activation dtype), so that parity tests can hold
+fp32 models to a tight tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from specd.workers.model_config import RopeScaling
+
+
+class LinearFactory(Protocol):
+    """Makes every linear layer of a model (the INT4 engineer supplies a quantized one).
+
+    in_features/out_features: the layer's (possibly fused) shape; bias: whether it has one;
+    names: the checkpoint module names fused into it, in output order (for example
+    `("model.layers.0.self_attn.q_proj", "...k_proj", "...v_proj")`), so that a factory can
+    match a quantization config's `ignore` list. The module must map [..., in] -> [..., out]
+    and name its output-major parameters so that the loader can stack shards along dim 0.
+    """
+
+    def __call__(self, in_features: int, out_features: int, bias: bool,
+                 names: tuple[str, ...]) -> nn.Module: ...
+
+
+def dense_linear(in_features: int, out_features: int, bias: bool,
+                 names: tuple[str, ...]) -> nn.Module:
+    """The unquantized linear: `nn.Linear` (on whatever device the build context sets)."""
+    del names  # a dense layer is the same whatever it is called
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), the statistic computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding over the whole head (rotate-half layout, as transformers).
+
+    Not an nn.Module: it holds no weights, only the float32 inverse frequencies, built on the
+    target device so that the meta-device model build leaves it intact. `cos_sin` is computed
+    once per forward and shared by every layer.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
+                 device: torch.device) -> None:
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [head_dim / 2]
+        if scaling is not None and scaling.rope_type == "linear":
+            inv_freq = inv_freq / scaling.factor
+        elif scaling is not None and scaling.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [N] -> (cos, sin), each [N, 1, head_dim / 2] in `dtype`."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, head_dim / 2]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim] rotated by (cos, sin) [N, 1, head_dim / 2]: the pair (i, i + d/2)
+    turns by the angle of frequency i (transformers' `x * cos + rotate_half(x) * sin`)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling: long wavelengths divided by `factor`, short ones kept,
+    the band between interpolated smoothly (transformers' `_compute_llama3_parameters`)."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,178 @@
+"""The model runner: owns all torch state (model, KV cache, generators) and runs one step.
+
+`execute(batch)` reads a `ScheduledBatch` (plain data from the scheduler), builds the step's
+tensors with `prepare_inputs`, runs the model over the paged cache, computes logits only for
+the rows that sample, samples, and returns a `ModelOutput` (plain data again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.workers import sampler
+from specd.workers.attention import AttentionMetadata, build_attention_metadata
+from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
+from specd.workers.config import EngineConfig
+from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
+from specd.workers.layers import LinearFactory, dense_linear
+from specd.workers.loader import load_model
+from specd.workers.model_config import ModelConfig
+from specd.workers.sequence import Sequence as Seq
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's tensors. Tokens are laid out sequence by sequence in batch order.
+
+    input_ids, positions: int64 [N]; meta: the attention metadata shared by all layers;
+    sample_rows: int64 [M], the last row of each sequence that samples this step;
+    sample_seqs: those M sequences, in the same order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    sample_seqs: list[Seq]
+
+
+def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
+    """Build token ids, rope positions and attention metadata for `batch`.
+
+    Sequence b computes tokens [start, end) of `prompt + output + spec_token_ids` (drafts as a
+    chain: position = index); its KV goes to the slots of `seq.block_ids`.
+    """
+    token_ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Seq] = []
+    for s in batch.scheduled:
+        token_ids += _token_slice(s.seq, s.start, s.end)
+        positions += range(s.start, s.end)
+        if s.needs_sample:
+            sample_rows.append(len(token_ids) - 1)
+            sample_seqs.append(s.seq)
+    meta = build_attention_metadata(
+        query_lens=[s.num_new_tokens for s in batch.scheduled],
+        seq_lens=[s.end for s in batch.scheduled],
+        block_tables=[s.seq.block_ids for s in batch.scheduled],
+        block_size=block_size,
+        device=device,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        sample_seqs=sample_seqs,
+    )
+
+
+class ModelRunner:
+    """Loads the model and allocates the KV cache (or raises); then runs steps.
+
+    capture_layers: hidden-state indices (transformers' numbering: 0 = embeddings, k = after
+    block k - 1), strictly ascending, whose concatenation each step leaves in
+    `last_aux_hidden` [N, len(capture_layers) * hidden] for the speculative drafter, beside
+    `last_hidden` [N, hidden] (after the final norm) and `last_inputs` (the row layout).
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
+                 capture_layers: Sequence[int] = (),
+                 make_linear: LinearFactory = dense_linear) -> None:
+        self.config = config
+        self.model_config = model_config or ModelConfig.from_dir(config.model_path)
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.torch_dtype_name]
+        self.capture_layers = _checked_capture_layers(capture_layers, self.model_config)
+        self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
+        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype)
+        self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks,
+                                           config.block_size, self.dtype, self.device)
+        # Unseeded sampling rows share this generator, so a run is reproducible given
+        # config.seed; a request with its own seed gets its own generator on first use.
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.last_inputs: StepInputs | None = None
+        self.last_hidden: torch.Tensor | None = None
+        self.last_aux_hidden: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run one step; sample one token for each sequence whose step reaches its end."""
+        drafted = [s.seq.request_id for s in batch.scheduled if s.seq.spec_token_ids]
+        if drafted:
+            raise ValueError(f"execute runs plain steps; requests {drafted} carry draft tokens "
+                             f"(verification belongs to the speculative worker)")
+        inputs = prepare_inputs(batch, self.config.block_size, self.device)
+        hidden = self.forward(inputs)
+        seqs = inputs.sample_seqs
+        if not seqs:
+            return ModelOutput(sampled={})
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()  # [M, vocab]
+        params = [s.sampling for s in seqs]
+        tokens = sampler.sample(logits, params, [self._generator(s) for s in seqs],
+                                self.default_generator)
+        sampled = {s.request_id: [t] for s, t in zip(seqs, tokens.tolist(), strict=True)}
+        return ModelOutput(sampled=sampled, logprobs=self._logprobs(logits, tokens, seqs))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over one step's tokens: hidden [N, hidden] after the final norm. Writes
+        this step's KV into the cache and records `last_*` (see the class docstring)."""
+        hidden, aux = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                 inputs.meta, self.capture_layers)
+        self.last_inputs, self.last_hidden, self.last_aux_hidden = inputs, hidden, aux
+        return hidden
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's generator (unknown ids are fine)."""
+        self.generators.pop(request_id, None)
+
+    def _generator(self, seq: Seq) -> torch.Generator | None:
+        seed = seq.sampling.seed
+        if seed is None or seq.sampling.is_greedy:
+            return None
+        generator = self.generators.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(self.device).manual_seed(seed)
+            self.generators[seq.request_id] = generator
+        return generator
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                  seqs: list[Seq]) -> dict[str, list[TokenLogprobs]]:
+        rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs > 0]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, device=logits.device)
+        counts = [seqs[i].sampling.logprobs for i in rows]
+        found = sampler.top_logprobs(logits[index], tokens[index], counts)
+        return {seqs[i].request_id: [lp] for i, lp in zip(rows, found, strict=True)}
+
+
+def _token_slice(seq: Seq, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output + drafts, without concatenating whole lists."""
+    parts = (seq.prompt_token_ids, seq.output_token_ids, seq.spec_token_ids)
+    out: list[int] = []
+    offset = 0
+    for part in parts:
+        lo, hi = max(start - offset, 0), min(end - offset, len(part))
+        if lo < hi:
+            out += part[lo:hi]
+        offset += len(part)
+    if len(out) != end - start:
+        raise ValueError(f"request {seq.request_id}: tokens [{start}, {end}) scheduled but it "
+                         f"has only {offset}")
+    return out
+
+
+def _checked_capture_layers(layers: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
+    result = tuple(layers)
+    if any(not 0 <= i <= cfg.num_layers for i in result) or list(result) != sorted(set(result)):
+        raise ValueError(f"capture_layers must be strictly ascending indices in "
+                         f"[0, {cfg.num_layers}], got {list(result)}")
+    return result
