@@ -1,0 +1,283 @@
+"""Continuous batching: which tokens of which sequences one step computes (plain Python).
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences come first, in
+arrival order: each gets the tokens it is missing (one for plain decode, a chunk of its
+prompt during chunked prefill, its last token plus its draft tokens with speculation).
+Waiting sequences are then admitted first come, first served, while the budget, the cap on
+running sequences (`max_num_seqs`) and the free blocks allow; a prompt larger than the
+remaining budget is split across steps (chunked prefill).
+
+When a running sequence needs a block and none is free, the most recently arrived running
+sequence is preempted by recomputation: its blocks are freed (cached full blocks stay
+reusable), its computed tokens drop to 0, and it goes back to the front of the waiting
+queue. No new sequence is admitted in a step that preempted one.
+
+Speculation: a sequence with k = len(spec_token_ids) drafts is scheduled for
+num_tokens + k - num_computed_tokens tokens. After the step, with a = len(sampled) - 1
+accepted drafts, num_computed_tokens = old + num_new_tokens - (k - a): the rejected drafts'
+slots are simply written over later. This assumes the accepted drafts' KV sits in the slots
+of positions num_tokens - 1 + 1 .. + a (a chain); with a draft tree, verification must move
+the accepted path's KV there before `update`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from specd.workers.batch import ModelOutput, ScheduledBatch, ScheduledSequence
+from specd.workers.block_manager import BlockManager, BlockManagerStats
+from specd.workers.config import EngineConfig
+from specd.workers.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class PreemptionEvent:
+    """One preemption, for the engine to log as a structured event."""
+
+    request_id: str
+    step: int  # the scheduler step (0-based) that preempted it
+    num_tokens: int  # the sequence's tokens, all to be recomputed
+    num_computed_tokens: int  # how many were computed before the preemption
+    num_preemptions: int  # of this sequence so far, this one included
+    num_free_blocks: int  # after freeing its blocks
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_steps: int  # steps scheduled so far
+    num_running: int
+    num_waiting: int
+    num_scheduled_seqs: int  # in the last step
+    num_scheduled_tokens: int  # in the last step
+    num_preemptions: int  # cumulative
+    blocks: BlockManagerStats
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block manager."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        capacity = num_blocks * config.block_size
+        if capacity < max_model_len:
+            # A lone sequence of max_model_len tokens must fit, or it could never run.
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {config.block_size} = {capacity} "
+                f"tokens, fewer than max_model_len ({max_model_len})")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival (the order of `add`)
+        self.sequences: dict[str, Sequence] = {}  # every unfinished sequence by request id
+        self.arrival_index: dict[str, int] = {}
+        self.num_added = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.preemption_events: list[PreemptionEvent] = []
+        self.last_batch = ScheduledBatch(scheduled=[])
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. ValueError for a duplicate id or a prompt longer than
+        max_model_len (a prompt of exactly max_model_len tokens gets one new token)."""
+        if seq.request_id in self.sequences:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id}: the prompt has {seq.num_prompt_tokens} tokens, "
+                f"more than max_model_len ({self.max_model_len})")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
+            raise ValueError(f"request {seq.request_id}: only a new sequence can be added, "
+                             f"got {seq!r}")
+        self.sequences[seq.request_id] = seq
+        self.arrival_index[seq.request_id] = self.num_added
+        self.num_added += 1
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running sequence with reason abort; None if it is unknown
+        or already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def take_preemption_events(self) -> list[PreemptionEvent]:
+        """The preemptions since the last call (the engine logs each as an event)."""
+        events, self.preemption_events = self.preemption_events, []
+        return events
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_steps=self.num_steps,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_scheduled_seqs=len(self.last_batch.scheduled),
+            num_scheduled_tokens=self.last_batch.num_tokens,
+            num_preemptions=self.num_preemptions,
+            blocks=self.block_manager.stats(),
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work: running sequences first, then waiting ones (FCFS).
+
+        Every scheduled sequence holds blocks for all the tokens it computes this step.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted_ids: list[str] = []
+        for seq in list(self.running):
+            if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+                break  # out of budget, or seq itself was preempted (it was the last)
+            num_new = self._num_tokens_to_run(seq, budget)
+            while not self.block_manager.can_append_slots(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append_slots(seq, num_new)
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+        if not preempted_ids:
+            scheduled += self._admit_waiting(budget)
+        self.last_batch = ScheduledBatch(scheduled=scheduled, preempted_ids=preempted_ids)
+        self.num_steps += 1
+        return self.last_batch
+
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
+        """Apply a step's results; return the sequences that got tokens or finished, in
+        batch order.
+
+        A sequence whose step reached its end appends `output.sampled[request_id]` token by
+        token, stopping at the first that ends it (tokens after it are dropped). A sequence
+        finished by abort since `schedule` is skipped.
+        """
+        changed: list[Sequence] = []
+        for item in batch.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            num_drafts = len(seq.spec_token_ids)
+            # Read before num_computed_tokens moves: `item.needs_sample` depends on it.
+            needs_sample = item.needs_sample
+            if not needs_sample:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_computed_blocks(seq)
+                continue
+            sampled = output.sampled.get(seq.request_id)
+            if not sampled or len(sampled) > num_drafts + 1:
+                raise ValueError(
+                    f"request {seq.request_id}: expected 1 to {num_drafts + 1} sampled tokens "
+                    f"(with {num_drafts} drafts), got {sampled}")
+            num_rejected = num_drafts - (len(sampled) - 1)
+            seq.num_computed_tokens += item.num_new_tokens - num_rejected
+            seq.spec_token_ids = []
+            self._append_tokens(seq, sampled)
+            self.block_manager.cache_computed_blocks(seq)
+            if seq.is_finished:
+                self.running.remove(seq)
+                self._release(seq)
+            changed.append(seq)
+        return changed
+
+    def _num_tokens_to_run(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for a running sequence, trimming drafts (and prefill chunks) to
+        the budget and drafts to max_model_len. Drafts are kept as a prefix, so a draft tree
+        listed parents first stays a tree."""
+        num_missing = seq.num_tokens - seq.num_computed_tokens
+        max_drafts = max(0, min(self.max_model_len - seq.num_tokens, budget - num_missing))
+        if len(seq.spec_token_ids) > max_drafts:
+            seq.spec_token_ids = seq.spec_token_ids[:max_drafts]
+        return min(budget, num_missing + len(seq.spec_token_ids))
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledSequence]:
+        admitted: list[ScheduledSequence] = []
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs
+               and self.block_manager.can_allocate(self.waiting[0])):
+            seq = self.waiting.popleft()
+            num_cached = self.block_manager.allocate(seq)
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: self.arrival_index[s.request_id])
+            num_new = min(budget, seq.num_tokens - num_cached)
+            admitted.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return admitted
+
+    def _preempt(self, seq: Sequence) -> None:
+        num_computed = seq.num_computed_tokens
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.preemption_events.append(PreemptionEvent(
+            request_id=seq.request_id,
+            step=self.num_steps,
+            num_tokens=seq.num_tokens,
+            num_computed_tokens=num_computed,
+            num_preemptions=seq.num_preemptions,
+            num_free_blocks=self.block_manager.num_free_blocks,
+        ))
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append tokens one by one; stop at the first that finishes the sequence.
+
+        The length limits are checked before the stop tokens, as vLLM and SGLang do."""
+        params = seq.sampling
+        for token_id in token_ids:
+            seq.output_token_ids.append(token_id)
+            if (seq.num_output_tokens >= params.max_tokens
+                    or seq.num_tokens >= self.max_model_len):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
+            elif ((token_id in self.eos_token_ids and not params.ignore_eos)
+                  or token_id in params.stop_token_ids):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
+            if seq.is_finished:
+                # Dropped tokens were never fed back; no KV past the last kept token is valid.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                return
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        del self.sequences[seq.request_id]
+        del self.arrival_index[seq.request_id]
