@@ -1,0 +1,328 @@
+"""W4A16 matrix product over the compressed-tensors `pack-quantized` layout: y = x @ dequant(W).T.
+
+Memory layout (one quantized linear with weight W [N = out, K = in]):
+
+* `weight_packed` int32 [N, K/8]: symmetric int4 values q in [-8, 7] stored as u = q + 8 in
+  [0, 15], eight per word along K, element k = 8j + i in bits [4i, 4i + 4) of word j (least
+  significant nibble first). Viewed as uint8 [N, K/2] on a little-endian host, byte b holds
+  k = 2b in its low nibble and k = 2b + 1 in its high nibble.
+* `weight_scale` bf16 (or fp16/fp32) [N, K/group_size]: one scale per group of `group_size`
+  consecutive K positions; no zero point. Group sizes 32, 64, 128.
+* W[n, k] = q[n, k] * scale[n, k // group_size].
+
+Semantics (what the kernels and `int4_gemm_ref` compute): the dequantized weight is computed in
+float32 (exact: a 4-bit integer times a 16-bit float fits in fp32) and rounded once to the
+activation dtype; products are accumulated in float32; the result is rounded to the activation
+dtype. x is [M, K] fp16 or bf16 with any strides; y is a new contiguous [M, N] tensor.
+
+Two kernels, chosen by `choose_config` from M and the shape, never by the caller:
+
+* split-K (M <= 64, decode and verification): grid (N tiles, K splits, M tiles). Each program
+  streams a [BLOCK_K, BLOCK_N] slab of weights for its K range; with BLOCK_M == 1 it is a GEMV
+  (broadcast multiply and a reduction over K), otherwise a `tl.dot` on a zero-padded M tile.
+  With more than one split, each split writes fp32 partials [SPLIT_K, M, N] summed afterwards
+  (deterministic, no atomics).
+* tiled (M > 64): a classic `tl.dot` GEMM over (M, N) tiles in grouped order for L2 reuse,
+  dequantizing each weight tile in registers.
+
+Both read each packed word once per nibble position (eight loads of the same word hit L1);
+BLOCK_K divides group_size, so one scale per output column covers a whole K block.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PACK_FACTOR = 8  # int4 values per int32 word
+SPLIT_K_MAX_M = 64  # rows up to which the split-K / GEMV kernel is used
+_INT32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> int8 [N, K] in [-8, 7]; element 8j+i is nibble i of word j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight_packed.device)  # [8]
+    nibbles = (weight_packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
+    values = nibbles.reshape(weight_packed.shape[0], -1)[:, :in_features]
+    return (values - 8).to(torch.int8)
+
+
+def dequantize_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                    group_size: int, in_features: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense weight [N, K] = q * scale[:, k // group_size], rounded once to `dtype`
+    (default: the scale's dtype, which is what compressed-tensors' decompression yields)."""
+    q = unpack_int4(weight_packed, in_features).float()  # [N, K]
+    scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    return (q * scale).to(dtype or weight_scale.dtype)
+
+
+def int4_gemm_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """Pure-torch y = x @ dequant(W).T with the kernels' semantics (module docstring).
+
+    x [M, K] (any float dtype), weight_packed int32 [N, K/8], weight_scale [N, K/group_size]
+    -> y [M, N] in x.dtype. Runs on any device; this is the CPU path of the engine.
+    """
+    w = dequantize_int4(weight_packed, weight_scale, group_size, x.shape[-1], x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                  stride_sg, k0, GROUP_SIZE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """Weights W[offs_n, offs_k] transposed to a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE.
+    k0 (the tile's first K) is a multiple of BLOCK_K, which divides GROUP_SIZE: one scale per n."""
+    words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k[:, None] // 8) * stride_wk,
+                    mask=mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N] int32
+    q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
+    scale = tl.load(s_ptr + offs_n * stride_sn + (k0 // GROUP_SIZE) * stride_sg,
+                    mask=mask_n, other=0.0)  # [BLOCK_N]
+    return _round(q.to(tl.float32) * scale.to(tl.float32)[None, :], OUT_DTYPE, EMULATE)
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 x rounded to DTYPE. EMULATE (CPU interpreter with bf16 only: Triton 3.9's interpreter
+    truncates fp32 -> bf16 casts, where the GPU rounds to nearest even) rounds the bits by hand;
+    the cast after it is then exact."""
+    if EMULATE and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _dot(a, b, acc, EMULATE: tl.constexpr):
+    """acc + a @ b. EMULATE (CPU interpreter with bf16 only: Triton 3.9's interpreter multiplies
+    bf16 bit patterns as integers) runs it in fp32 on the same, exactly representable values."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_split,
+                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
+                        stride_os, stride_om, stride_on,
+                        GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); out is [SPLIT_K, M, N] (strided)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    act_dtype = x_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_kb = tl.arange(0, BLOCK_K)
+    kb_start = pid_k * k_blocks_per_split
+    kb_end = tl.minimum(kb_start + k_blocks_per_split, K // BLOCK_K)
+    if BLOCK_M == 1:
+        # GEMV: [BLOCK_K] activations broadcast against the [BLOCK_K, BLOCK_N] weight slab.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kb in range(kb_start, kb_end):
+            offs_k = kb * BLOCK_K + offs_kb
+            w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
+                              stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk)  # [BLOCK_K]
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None], axis=0)
+        out = out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n * stride_on
+        tl.store(out, _round(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(kb_start, kb_end):
+            offs_k = kb * BLOCK_K + offs_kb
+            w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
+                              stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            acc2 = _dot(x, w, acc2, EMULATE)
+        out = (out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
+               + offs_n[None, :] * stride_on)
+        tl.store(out, _round(acc2, out_ptr.dtype.element_ty, EMULATE),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
+                       stride_om, stride_on,
+                       GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); GROUP_M row tiles share weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+    act_dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, K // BLOCK_K):
+        offs_k = kb * BLOCK_K + offs_kb
+        w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
+                          stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None], other=0.0)
+        acc = _dot(x, w, acc, EMULATE)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, _round(acc, out_ptr.dtype.element_ty, EMULATE),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters. kind "splitk" (BLOCK_M == 1 is the GEMV) or "tiled"."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> GemmConfig:
+    """The launch configuration for x [m, k] @ W [n, k].T: split-K for m <= 64, tiled above.
+
+    Split-K spreads the K loop over enough programs to cover ~2 waves of `num_sms` when the
+    (M, N) tiles alone are too few, which is the decode case on wide GPUs.
+    """
+    block_k = min(group_size, 64)
+    if m > SPLIT_K_MAX_M:
+        block_m = 64 if m <= 128 else 128
+        return GemmConfig("tiled", block_m, 128, block_k, num_warps=8 if block_m == 128 else 4)
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    block_n = 128 if m == 1 else 64
+    tiles = triton.cdiv(n, block_n) * (m if block_m == 1 else triton.cdiv(m, block_m))
+    k_blocks = k // block_k
+    split_k = 1
+    while split_k * 2 <= min(16, k_blocks) and tiles * split_k * 2 <= 2 * num_sms:
+        split_k *= 2
+    return GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; an H200's 132 under the CPU interpreter."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def interpreter_needs_emulation(x: torch.Tensor) -> bool:
+    """True under the CPU interpreter with bf16 operands (see `_round` and `_dot`)."""
+    return x.device.type != "cuda" and x.dtype == torch.bfloat16
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
+                         weight_scale: torch.Tensor, group_size: int) -> None:
+    """Raise ValueError naming the tensor when the operands break the layout contract."""
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if x.dim() != 2 or x.dtype not in SUPPORTED_ACT_DTYPES:
+        raise ValueError(f"x must be a 2-D float16/bfloat16 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide x's K = {k}")
+    n = weight_packed.shape[0] if weight_packed.dim() == 2 else -1
+    if weight_packed.dtype != torch.int32 or tuple(weight_packed.shape) != (n, k // PACK_FACTOR):
+        raise ValueError(f"weight_packed must be int32 [N, K/8] = [N, {k // PACK_FACTOR}], got "
+                         f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
+    if weight_scale.dtype not in SUPPORTED_SCALE_DTYPES:
+        raise ValueError(f"weight_scale must be bf16/fp16/fp32, got {weight_scale.dtype}")
+    if tuple(weight_scale.shape) != (n, k // group_size):
+        raise ValueError(f"weight_scale must be [N, K/group_size] = [{n}, {k // group_size}], "
+                         f"got {tuple(weight_scale.shape)}")
+    for name, t in (("x", x), ("weight_packed", weight_packed), ("weight_scale", weight_scale)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+        if _max_offset(t) > _INT32_MAX:
+            raise ValueError(f"{name}'s strides {t.stride()} address past 2**31 elements")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"int4_gemm needs CUDA tensors (x is on {x.device}); use "
+                         "int4_gemm_ref on the CPU or set TRITON_INTERPRET=1")
+
+
+def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+              group_size: int, config: GemmConfig | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(weight_packed, weight_scale).T in x.dtype (see module doc).
+
+    `config` overrides `choose_config` (benchmarks and tests only). Raises ValueError for any
+    operand outside the layout contract instead of launching.
+    """
+    check_int4_gemm_args(x, weight_packed, weight_scale, group_size)
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    cfg = config or choose_config(m, n, k, group_size, device_num_sms(x.device))
+    if group_size % cfg.block_k or cfg.block_k % PACK_FACTOR:
+        raise ValueError(f"block_k {cfg.block_k} must divide group_size {group_size} and be a "
+                         "multiple of 8")
+    emulate = interpreter_needs_emulation(x)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if cfg.kind == "tiled":
+        _int4_tiled_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)](
+            x, weight_packed, weight_scale, out, m, n, k,
+            x.stride(0), x.stride(1), weight_packed.stride(0), weight_packed.stride(1),
+            weight_scale.stride(0), weight_scale.stride(1), out.stride(0), out.stride(1),
+            GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EMULATE=emulate, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return out
+    k_blocks = k // cfg.block_k
+    k_blocks_per_split = triton.cdiv(k_blocks, cfg.split_k)
+    # One split writes y directly; several write fp32 partials [split_k, M, N] summed below.
+    partial = out.unsqueeze(0) if cfg.split_k == 1 else torch.empty(
+        (cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    _int4_splitk_kernel[grid](
+        x, weight_packed, weight_scale, partial, m, n, k, k_blocks_per_split,
+        x.stride(0), x.stride(1), weight_packed.stride(0), weight_packed.stride(1),
+        weight_scale.stride(0), weight_scale.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EMULATE=emulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        out.copy_(partial.sum(0))
+    return out

@@ -1,0 +1,120 @@
+"""The Triton INT4 GEMM against its pure-torch reference, under TRITON_INTERPRET=1 on the CPU.
+
+Tolerance: the kernel and `int4_gemm_ref` dequantize to the same activation-dtype weights and
+multiply the same values in float32; only the summation order differs (split-K partials, tile
+order), an fp32 error of about K * 2**-24 * sum|x*w| (the `atol` term below), which can flip the
+final rounding to the output dtype by one unit in the last place (`rtol` = eps of the dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.kernels.int4_gemm import (
+    GemmConfig,
+    choose_config,
+    dequantize_int4,
+    int4_gemm,
+    int4_gemm_ref,
+    unpack_int4,
+)
+from specd.workers.quantization import pack_int4
+
+
+def _random_int4(n: int, k: int, group_size: int, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [n, k], weight_packed int32 [n, k/8], weight_scale bf16 [n, k/group])."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // group_size, generator=g) * 0.05 + 0.005).to(torch.bfloat16)
+    return q, pack_int4(q), scale
+
+
+def _assert_matches_ref(y: torch.Tensor, x: torch.Tensor, packed: torch.Tensor,
+                        scale: torch.Tensor, group_size: int) -> None:
+    ref = int4_gemm_ref(x, packed, scale, group_size)
+    w = dequantize_int4(packed, scale, group_size, x.shape[1], x.dtype).float()
+    magnitude = x.float().abs() @ w.abs().t()  # [M, N] sum |x * w|
+    atol = float(magnitude.max()) * x.shape[1] * 2**-24 + 1e-6
+    torch.testing.assert_close(y.float(), ref.float(), rtol=torch.finfo(x.dtype).eps, atol=atol)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group_size"), [
+    (1, 50, 96, 32),     # GEMV, split-K over 3 K blocks
+    (1, 129, 128, 128),  # GEMV, N just past one tile
+    (3, 37, 128, 64),    # split-K with tl.dot, M padded to 16
+    (17, 45, 256, 128),  # split-K, M padded to 32
+    (64, 24, 64, 32),    # largest split-K M
+    (70, 33, 96, 32),    # tiled path
+    (130, 20, 128, 64),  # tiled path, 128-row tiles, partial last tile
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_on_odd_shapes(m: int, n: int, k: int, group_size: int,
+                                         dtype: torch.dtype) -> None:
+    _, packed, scale = _random_int4(n, k, group_size, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    _assert_matches_ref(int4_gemm(x, packed, scale, group_size), x, packed, scale, group_size)
+
+
+def test_non_contiguous_operands() -> None:
+    """Strided and transposed activations; column slices of the packed weight and scale."""
+    _, packed_big, scale_big = _random_int4(41, 192, 32, seed=7)
+    packed, scale = packed_big[:, 4:16], scale_big[:, 1:4]  # K columns 32..128 of the weight
+    k = 96
+    every_other = torch.randn(5, 2 * k).to(torch.bfloat16)[:, ::2]  # stride (2k, 2)
+    transposed = torch.randn(k, 67).to(torch.bfloat16).t()  # [67, k], stride (1, 67)
+    for x in (every_other[:1], every_other, transposed):
+        assert not x.is_contiguous() and not packed.is_contiguous()
+        _assert_matches_ref(int4_gemm(x, packed, scale, 32), x, packed, scale, 32)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_explicit_split_k_agrees(split_k: int) -> None:
+    """Uneven splits (3 over 4 K blocks leaves one split empty) still sum to the product."""
+    _, packed, scale = _random_int4(19, 128, 32, seed=3)
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    cfg = GemmConfig("splitk", block_m=16, block_n=16, block_k=32, split_k=split_k)
+    _assert_matches_ref(int4_gemm(x, packed, scale, 32, config=cfg), x, packed, scale, 32)
+
+
+def test_reference_is_dense_product_of_unpacked_weight() -> None:
+    """The reference itself: x @ (q * scale).T with q read nibble by nibble from the words."""
+    q, packed, scale = _random_int4(5, 64, 32, seed=11)
+    words = packed.tolist()
+    for n in range(5):
+        for k in range(64):
+            nibble = (words[n][k // 8] >> (4 * (k % 8))) & 0xF
+            assert nibble - 8 == q[n, k]
+    assert torch.equal(unpack_int4(packed, 64), q)
+    x = torch.randn(3, 64, dtype=torch.float32)
+    w = q.float() * scale.float().repeat_interleave(32, dim=1)
+    torch.testing.assert_close(int4_gemm_ref(x, packed, scale, 32), x @ w.t())
+
+
+def test_config_choice_by_m_and_shape() -> None:
+    assert choose_config(1, 4096, 4096, 32, 132).block_m == 1
+    assert choose_config(1, 4096, 4096, 32, 132).split_k > 1  # 32 N tiles fill few SMs
+    assert choose_config(16, 4096, 4096, 128, 132).kind == "splitk"
+    assert choose_config(64, 14336, 4096, 32, 132).kind == "splitk"
+    assert choose_config(65, 4096, 4096, 32, 132).kind == "tiled"
+    assert choose_config(1, 65536, 4096, 32, 132).split_k == 1  # enough N tiles already
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"group_size": 48}, "group_size must be one of"),
+    ({"x": torch.randn(2, 96)}, "float16/bfloat16"),
+    ({"x": torch.randn(2, 80).bfloat16()}, "does not divide"),
+    ({"weight_packed": torch.zeros(7, 12, dtype=torch.int64)}, "weight_packed must be int32"),
+    ({"weight_packed": torch.zeros(7, 11, dtype=torch.int32)}, "weight_packed must be int32"),
+    ({"weight_scale": torch.ones(7, 2).bfloat16()}, "weight_scale must be"),
+    ({"weight_scale": torch.ones(7, 3, dtype=torch.int32)}, "weight_scale must be"),
+])
+def test_bad_operands_raise_naming_the_tensor(change: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"x": torch.randn(2, 96).bfloat16(),
+                               "weight_packed": torch.zeros(7, 12, dtype=torch.int32),
+                               "weight_scale": torch.ones(7, 3).bfloat16(), "group_size": 32}
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        int4_gemm(**args)
