@@ -1,0 +1,331 @@
+"""Train an EAGLE-3 draft head for a Hugging Face Llama-style target, on the CPU or a GPU.
+
+    python tools/train_eagle3.py --target workers/fixture --out workers/fixture/eagle3 --minutes 20
+
+Data. By default (`--data greedy`) prompts are windows of the training text and the target
+continues each greedily: the head then learns the token stream it will see when serving
+greedy requests. `--data text` trains on the text itself. The default corpus is the fixture's
+training files (the stdlib source, held-out files excluded; `train_fixture.corpus_files`).
+
+Draft vocabulary: the `--draft-vocab-size` most frequent tokens of the training sequences
+(`d2t`/`t2d`). Target hidden states come from transformers' `output_hidden_states` at the
+head's aux layer ids (default (2, L // 2, L - 3); 0 = embedding output, k = output of block
+k-1). The loss is EAGLE-3's: cross-entropy against the target's distribution restricted to
+the draft vocabulary, over `--ttt-steps` unrolled draft steps (training-time test): step k
+feeds the head its own step k-1 output and the next token, and each row attends to the
+step-0 rows before it plus its own rows of steps 1..k, as a drafted token attends to the
+verified prefix and its draft ancestors. Step k is weighted 0.8^k.
+
+Writes config.json (`LlamaForCausalLMEagle3`, `draft_vocab_size`, `eagle_config`),
+model.safetensors (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`;
+the embedding is the target's) and train_log.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specd.workers.spec.draft_model import DraftConfig, DraftHead, resolve_aux_layer_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_fixture import corpus_files, read_text, stdlib_root  # noqa: E402
+
+LOSS_DECAY = 0.8  # weight of unrolled step k is LOSS_DECAY ** k, as in EAGLE-3
+
+
+def load_target(path: Path, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def head_config(target_cfg, draft_vocab_size: int, aux_ids: tuple[int, ...]) -> DraftConfig:
+    heads = target_cfg.num_attention_heads
+    rope = getattr(target_cfg, "rope_parameters", None) or {}
+    return DraftConfig(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=target_cfg.num_key_value_heads or heads,
+        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // heads,
+        vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_cfg.hidden_size,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(target_cfg, "rope_theta", 10000.0)),
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        aux_layer_ids=aux_ids,
+    )
+
+
+def config_json(cfg: DraftConfig) -> dict:
+    """config.json in the published EAGLE-3 layout (SpecForge/SGLang/vLLM read it)."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids or ())},
+    }
+
+
+# --- data ---
+
+
+def corpus_ids(tokenizer_path: Path, max_files: int, rng: random.Random) -> torch.Tensor:
+    """Token ids of (a random subset of) the training files, concatenated: int64 [n]."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    files, _ = corpus_files(stdlib_root())
+    files = rng.sample(files, min(max_files, len(files)))
+    ids: list[int] = []
+    for enc in tok.encode_batch([read_text(p) for p in files]):
+        ids.extend(enc.ids)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def greedy_continue(target, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + num_new]: the target's greedy continuation (EOS not special)."""
+    out = target(input_ids=prompts, use_cache=True)
+    past, tokens = out.cache, [prompts]
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(num_new):
+        tokens.append(nxt)
+        out = target(input_ids=nxt, cache=past, use_cache=True)
+        past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(tokens, dim=1)
+
+
+def build_sequences(args: argparse.Namespace, target, stream: torch.Tensor,
+                    gen: torch.Generator) -> torch.Tensor:
+    """Training sequences [num, seq_len]: text windows, or prompts + greedy continuations."""
+    if args.data == "text":
+        starts = torch.randint(0, len(stream) - args.seq_len, (args.num_sequences,), generator=gen)
+        return torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()])
+    prompt_len = args.prompt_tokens
+    starts = torch.randint(0, len(stream) - prompt_len, (args.num_sequences,), generator=gen)
+    prompts = torch.stack([stream[s: s + prompt_len] for s in starts.tolist()])
+    out, t0 = [], time.time()
+    for i in range(0, len(prompts), args.gen_batch):
+        out.append(greedy_continue(target, prompts[i: i + args.gen_batch].to(args.device),
+                                   args.seq_len - prompt_len).cpu())
+        done = min(i + args.gen_batch, len(prompts))
+        print(f"generated {done}/{len(prompts)} continuations ({time.time() - t0:.0f}s)",
+              flush=True)
+    return torch.cat(out)
+
+
+def draft_vocab(sequences: torch.Tensor, vocab_size: int, size: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t int64 [size], t2d bool [vocab], coverage): the most frequent tokens, by id order."""
+    counts = torch.bincount(sequences.flatten(), minlength=vocab_size)
+    kept = counts.topk(size).indices.sort().values  # target ids, ascending
+    d2t = kept - torch.arange(size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d, float(counts[kept].sum() / counts.sum())
+
+
+# --- training-time test ---
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  scale: float) -> torch.Tensor:
+    """Attention of unrolled step k = len(keys) - 1.
+
+    q [B, T, heads, d]; keys/values: one [B, T, kv_heads, d] per step 0..k. Row i sees the
+    step-0 rows 0..i (causal) and row i of each step 1..k (its draft ancestors and itself).
+    """
+    group = q.shape[2] // keys[0].shape[2]
+    ks = [k.repeat_interleave(group, dim=2) for k in keys]
+    vs = [v.repeat_interleave(group, dim=2) for v in values]
+    num_rows = q.shape[1]
+    prefix = torch.einsum("bihd,bjhd->bhij", q, ks[0]) * scale  # [B, heads, T, T]
+    causal = torch.ones(num_rows, num_rows, dtype=torch.bool, device=q.device).tril()
+    prefix = prefix.masked_fill(~causal, float("-inf"))
+    diag = [torch.einsum("bihd,bihd->bhi", q, k)[..., None] * scale for k in ks[1:]]
+    weights = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1)  # [B, heads, T, T + k]
+    out = torch.einsum("bhij,bjhd->bihd", weights[..., :num_rows], vs[0])
+    for j, v in enumerate(vs[1:]):
+        out = out + weights[..., num_rows + j].transpose(1, 2)[..., None] * v
+    return out  # [B, T, heads, d]
+
+
+def ttt_loss(head: DraftHead, target_out, seqs: torch.Tensor, aux_ids: tuple[int, ...],
+             draft_ids: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, list[float]]:
+    """Weighted loss over the unrolled steps, and the top-1 agreement with the target per step.
+
+    seqs [B, S]; row i of step k reads token i + 1 + k and predicts token i + 2 + k (the
+    target's distribution at position i + 1 + k), at rope position i + k.
+    """
+    aux = torch.cat([target_out.hidden_states[i] for i in aux_ids], dim=-1)  # [B, S, 3H]
+    logits = target_out.logits  # [B, S, V]
+    target_p = torch.softmax(logits[..., draft_ids].float(), dim=-1)  # [B, S, Vd]
+    target_top = logits.argmax(-1)  # [B, S]
+    in_vocab = head.t2d[target_top]  # [B, S]: rows whose target argmax the draft can name
+    num_rows = seqs.shape[1] - 1
+    rows = torch.arange(num_rows, device=seqs.device)
+    hidden = head.fuse(aux[:, :num_rows])
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    total = torch.zeros((), device=seqs.device)
+    agreement = []
+    for k in range(num_steps):
+        src = (rows + 1 + k).clamp(max=seqs.shape[1] - 1)  # token read by row i at step k
+        valid = (rows + 1 + k) < seqs.shape[1]  # [T]
+        embeds = head.embed_tokens(seqs[:, src])
+        positions = (rows + k).expand(seqs.shape[0], -1)
+        q, key, value = head.qkv(embeds, hidden, positions)
+        keys.append(key)
+        values.append(value)
+        out = head.finish(ttt_attention(q, keys, values, head.scale), hidden)
+        log_q = torch.log_softmax(head.logits(out).float(), dim=-1)  # [B, T, Vd]
+        mask = (valid[None] & in_vocab[:, src]).float()  # [B, T]
+        ce = -(target_p[:, src] * log_q).sum(-1)
+        total = total + LOSS_DECAY ** k * (ce * mask).sum() / mask.sum().clamp(min=1)
+        hit = (head.to_target_ids(log_q.argmax(-1)) == target_top[:, src]).float()
+        agreement.append(float((hit * valid[None]).sum() / valid.sum() / seqs.shape[0]))
+        hidden = out
+    return total, agreement
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * max(0.1, 1.0 - 0.9 * (step - warmup) / max(1, total - warmup))
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    target_dir, out = Path(args.target), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    deadline = t_start + args.minutes * 60
+
+    target = load_target(target_dir, args.device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    num_layers = tcfg.num_hidden_layers
+    aux_ids = tuple(args.aux_layers) if args.aux_layers else (2, num_layers // 2, num_layers - 3)
+    if any(not 0 <= i < num_layers for i in aux_ids):
+        # transformers' hidden_states[L] is after the final norm, not the block output.
+        raise ValueError(f"--aux-layers {list(aux_ids)}: must lie in [0, {num_layers - 1}]")
+    stream = corpus_ids(target_dir / "tokenizer.json", args.max_files, rng)
+    print(f"corpus: {len(stream):,} tokens; target {num_layers} layers, aux layers {aux_ids}")
+    seqs = build_sequences(args, target, stream, gen)
+    d2t, t2d, coverage = draft_vocab(seqs, tcfg.vocab_size, min(args.draft_vocab_size,
+                                                                  tcfg.vocab_size))
+    print(f"data: {seqs.shape[0]} sequences x {seqs.shape[1]} tokens; draft vocab "
+          f"{len(d2t)} covers {coverage:.1%} of tokens ({time.time() - t_start:.0f}s)")
+
+    cfg = head_config(tcfg, len(d2t), aux_ids)
+    resolve_aux_layer_ids(cfg, num_layers)  # validates the ids against the target
+    head = DraftHead(cfg).to(args.device)
+    head.embed_tokens.weight = target.get_input_embeddings().weight  # shared, frozen
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    draft_ids = (d2t + torch.arange(len(d2t))).to(args.device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    log = (out / "train_log.jsonl").open("w")
+    log.write(json.dumps({"args": vars(args), "aux_layer_ids": aux_ids,
+                          "draft_vocab_coverage": round(coverage, 4)}) + "\n")
+    est_steps = args.max_steps
+    step, t_train = 0, time.time()
+    while step < args.max_steps and time.time() < deadline:
+        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
+        batch = seqs[idx].to(args.device)
+        with torch.no_grad():
+            target_out = target(input_ids=batch, output_hidden_states=True)
+        # The schedule decays over the steps the time box allows, estimated from the pace.
+        if step == 5:
+            per_step = (time.time() - t_train) / 5
+            est_steps = min(args.max_steps, step + int((deadline - time.time()) / per_step))
+        lr = lr_at(step, est_steps, args.lr, args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, agreement = ttt_loss(head, target_out, batch, aux_ids, draft_ids, args.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        record = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6),
+                  "agreement": [round(a, 3) for a in agreement],
+                  "elapsed_s": round(time.time() - t_start, 1)}
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if step % 10 == 0 or step == 1:
+            print(f"step {step}/~{est_steps} loss {loss.item():.3f} top-1 agreement by step "
+                  f"{' '.join(f'{a:.2f}' for a in agreement)} ({record['elapsed_s']:.0f}s)",
+                  flush=True)
+    log.close()
+    save_head(head, cfg, out)
+    print(f"wrote {out} after {step} steps in {time.time() - t_start:.0f}s")
+
+
+def save_head(head: DraftHead, cfg: DraftConfig, out: Path) -> None:
+    """model.safetensors (bf16 weights, int64 d2t, bool t2d; no embedding) + config.json."""
+    tensors = {n: p.detach().to(torch.bfloat16).contiguous().cpu()
+               for n, p in head.named_parameters() if n != "embed_tokens.weight"}
+    tensors["d2t"] = head.d2t.cpu().contiguous()
+    tensors["t2d"] = head.t2d.cpu().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default="workers/fixture", help="target model directory")
+    p.add_argument("--out", default="workers/fixture/eagle3", help="output head directory")
+    p.add_argument("--data", choices=("greedy", "text"), default="greedy")
+    p.add_argument("--minutes", type=float, default=20.0, help="time box for everything")
+    p.add_argument("--max-steps", type=int, default=100_000)
+    p.add_argument("--max-files", type=int, default=400, help="training files to draw text from")
+    p.add_argument("--num-sequences", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=32, help="greedy data: prompt length")
+    p.add_argument("--gen-batch", type=int, default=64, help="greedy data: generation batch")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps")
+    p.add_argument("--draft-vocab-size", type=int, default=2048)
+    p.add_argument("--aux-layers", type=int, nargs=3, default=None,
+                   help="output_hidden_states ids (default 2, L//2, L-3)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    train(parse_args(sys.argv[1:]))

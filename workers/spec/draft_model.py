@@ -1,0 +1,450 @@
+"""The EAGLE-3 draft head in the layout SGLang, vLLM and SpecForge publish.
+
+The published architecture name is `LlamaForCausalLMEagle3` (vLLM also says
+`Eagle3LlamaForCausalLM`).
+
+One Llama decoder layer (`midlayer`) reads two inputs side by side: the token embedding
+and a hidden state. For a token that follows the verified prefix the hidden state is
+`fc(cat(low, mid, high))`, three of the target's hidden states fused down to `hidden_size`;
+for a token that follows a draft token it is the head's own output for that token (taken
+before `norm`). The layer's attention projects `cat(input_layernorm(embeds),
+hidden_norm(hidden))` (2*H wide); the residual stream is the hidden path:
+
+    residual = hidden
+    h = attn(cat(input_layernorm(embeds), hidden_norm(hidden))) + residual
+    out = mlp(post_attention_layernorm(h)) + h               # fed back to the next step
+    draft_logits = lm_head(norm(out))                        # [N, draft_vocab_size]
+
+Draft token d is target token `d + d2t[d]`; `t2d` marks the target tokens the draft vocabulary
+holds. The token embedding is the target's unless the checkpoint carries `embed_tokens.weight`.
+
+Which target hidden states feed `fc` comes from `eagle_config.eagle_aux_hidden_state_layer_ids`
+(or a top-level `eagle_aux_hidden_state_layer_ids`), in transformers' `output_hidden_states`
+numbering (0 = the embedding output, k = the output of decoder block k-1); the reference
+default for a target of L blocks is (2, L // 2, L - 3).
+
+The attention goes through `attend`: with a KV cache and attention metadata it writes this
+step's K/V into the paged cache and calls `specd.workers.attention.paged_attention`; without
+them it is dense causal attention over one sequence (tests, the dense tools). The trainer
+uses `qkv`/`finish`/`logits` to run its own attention for training-time-test unrolling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The head's shape, read from its config.json (`DraftConfig.from_dict`).
+
+    vocab_size is the TARGET vocabulary (d2t/t2d map into it); draft_vocab_size the head's.
+    aux_layer_ids: None means the reference default for the target (`resolve_aux_layer_ids`).
+    rope_type "default" or "llama3" (then rope_factor, low/high_freq_factor and
+    original_max_position describe the Llama-3 frequency scaling).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    max_position_embeddings: int = 2048
+    aux_layer_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
+                     "target_hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"draft config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft config: draft_vocab_size ({self.draft_vocab_size}) must be "
+                             f"<= vocab_size ({self.vocab_size})")
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(
+                f"draft config: rope type must be default or llama3, got {self.rope_type!r}")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise ValueError(f"draft config: eagle_aux_hidden_state_layer_ids must name 3 layers, "
+                             f"got {list(self.aux_layer_ids)}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
+        """Parse a `LlamaForCausalLMEagle3` config.json; ValueError names what is wrong."""
+        arch = cfg.get("architectures") or []
+        if not any(a in ARCHITECTURES for a in arch):
+            raise ValueError(f"draft config: architectures must contain one of {ARCHITECTURES} "
+                             f"(the SGLang/vLLM/SpecForge EAGLE-3 layout), got {arch}")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError("draft config: only one-layer EAGLE-3 heads are supported, got "
+                             f"num_hidden_layers={cfg['num_hidden_layers']}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"draft config: hidden_act must be silu, got {cfg['hidden_act']!r}")
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+            if key not in cfg:
+                raise ValueError(f"draft config: missing {key!r}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        eagle = cfg.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids",
+                        cfg.get("eagle_aux_hidden_state_layer_ids"))
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or hidden,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_type=rope.get("rope_type", rope.get("type", "default")),
+            rope_factor=rope.get("factor", 1.0),
+            low_freq_factor=rope.get("low_freq_factor", 1.0),
+            high_freq_factor=rope.get("high_freq_factor", 4.0),
+            original_max_position=rope.get("original_max_position_embeddings", 8192),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            aux_layer_ids=None if aux is None else tuple(int(i) for i in aux),
+        )
+
+
+def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target hidden states the head reads, in `output_hidden_states` numbering.
+
+    The config's ids when it names them, else the reference default (2, L // 2, L - 3).
+    Valid ids are 0 (the embedding output) .. L (the last block's output, before the norm).
+    """
+    ids = config.aux_layer_ids
+    if ids is None:
+        ids = (2, num_target_layers // 2, num_target_layers - 3)
+    if any(not 0 <= i <= num_target_layers for i in ids):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} out of range for a target "
+                         f"of {num_target_layers} layers (valid: 0..{num_target_layers})")
+    return tuple(ids)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Projections only; the attention itself is `attend` (paged) or the caller's (training)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies (Llama-3 scaling when configured)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_type == "llama3":
+        low_wavelen = cfg.original_max_position / cfg.low_freq_factor
+        high_wavelen = cfg.original_max_position / cfg.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (cfg.original_max_position / wavelen - cfg.low_freq_factor) / (
+            cfg.high_freq_factor - cfg.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        mid = (1 - smooth) * inv / cfg.rope_factor + smooth * inv
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, heads, d] by positions [..., T] (rotate-half layout, as Llama)."""
+    freqs = positions[..., None].float() * inv_freq  # [..., T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, d]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+           meta: Any, scale: float) -> torch.Tensor:
+    """Attention for N query rows: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d].
+
+    With `kv_cache` [2, num_blocks, block_size, kv_heads, d] and `meta` (AttentionMetadata of
+    `specd.workers.attention`), K/V are written at `meta.slot_mapping` and the paged
+    attention runs over each sequence's cached prefix (tree mask as in the shared contract).
+    Without them, the rows are one sequence attended causally (dense; tests and tools).
+    """
+    if kv_cache is None:
+        if meta is not None:
+            raise ValueError("attend: attention metadata given without a kv_cache")
+        return _dense_causal(q, k, v, scale)
+    # Imported here: the paged backend lives with the engine; the dense path needs none of it.
+    from specd.workers.attention import paged_attention
+
+    slots = meta.slot_mapping  # [N] flat slot of each row's K/V
+    kv_cache[0].view(-1, *kv_cache.shape[-2:])[slots] = k.to(kv_cache.dtype)
+    kv_cache[1].view(-1, *kv_cache.shape[-2:])[slots] = v.to(kv_cache.dtype)
+    return paged_attention(q, kv_cache, meta, scale)
+
+
+def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # [N, H, d] -> [1, H, N, d] for SDPA; GQA by repeating kv heads.
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+class DraftHead(nn.Module):
+    """An EAGLE-3 head; parameter and buffer names are the published checkpoint's.
+
+    Build with `load_draft_head` (or `DraftHead(config)` + `load_weights`). `embed_tokens`
+    holds the target's embedding weight (the same storage) unless the checkpoint has its own.
+    """
+
+    d2t: torch.Tensor  # int64 [draft_vocab_size]: target id = draft id + d2t[draft id]
+    t2d: torch.Tensor  # bool [vocab_size]: target tokens in the draft vocabulary
+    inv_freq: torch.Tensor  # float32 [head_dim // 2]
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.scale = config.head_dim ** -0.5
+
+    # --- building blocks (shared by the engine path and the trainer) ---
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., 3 * target_hidden] target hidden states (low, mid, high) -> [..., H]."""
+        return self.fc(aux_hidden)
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [..., T, heads, d], k and v [..., T, kv_heads, d].
+
+        embeds, hidden: [..., T, H]; positions: [..., T] rope positions.
+        """
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        cfg = self.config
+        q = layer.self_attn.q_proj(x).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+        k = layer.self_attn.k_proj(x).unflatten(-1, (cfg.num_key_value_heads, cfg.head_dim))
+        v = layer.self_attn.v_proj(x).unflatten(-1, (cfg.num_key_value_heads, cfg.head_dim))
+        return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
+
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """attn [..., T, heads, d] and the layer's input hidden [..., T, H] -> output (pre-norm)."""
+        layer = self.midlayer
+        h = layer.self_attn.o_proj(attn.flatten(-2)) + hidden
+        return layer.mlp(layer.post_attention_layernorm(h)) + h
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output [..., H] -> draft-vocabulary logits [..., draft_vocab_size]."""
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target-vocabulary ids (same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- forwards ---
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                hidden: torch.Tensor, kv_cache: torch.Tensor | None = None, meta: Any = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over N rows laid out as the target model's (the shared contract).
+
+        input_ids [N] (or embeds [N, H]); positions [N]; hidden [N, H]: `fuse(aux)` for rows
+        that follow verified tokens, the head's previous output for rows after draft tokens.
+        kv_cache/meta: the head's own paged cache layer and this step's metadata (None: one
+        dense causal sequence). Returns the pre-norm output [N, H]; `logits` gives the scores.
+        """
+        if embeds is None:
+            if input_ids is None:
+                raise ValueError("DraftHead.forward: give input_ids or embeds")
+            embeds = self.embed_tokens(input_ids)
+        q, k, v = self.qkv(embeds, hidden, positions)
+        return self.finish(attend(q, k, v, kv_cache, meta, self.scale), hidden)
+
+    def forward_dense(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Batched dense forward: embeds/hidden [B, T, H], positions [B, T] -> output [B, T, H].
+
+        mask: bool [T, T] or [B, T, T], True where row i may see key j; None = causal.
+        """
+        q, k, v = self.qkv(embeds, hidden, positions)
+        group = q.shape[-2] // k.shape[-2]
+        qh = q.transpose(-2, -3)  # [B, heads, T, d]
+        kh = k.repeat_interleave(group, dim=-2).transpose(-2, -3)
+        vh = v.repeat_interleave(group, dim=-2).transpose(-2, -3)
+        if mask is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:
+            attn_mask = mask[:, None] if mask.dim() == 3 else mask
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask,
+                                                 scale=self.scale)
+        return self.finish(out.transpose(-2, -3), hidden)
+
+    # --- weights ---
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], source: str,
+                     target_embed_weight: torch.Tensor | None = None) -> None:
+        """Load published tensors (names as in the checkpoint) into this head.
+
+        Accepts the SGLang `model.` prefix and the Speculators/vLLM `layers.0.` alias of
+        `midlayer.`. `d2t`/`t2d` may be absent only when the draft vocabulary is the target's.
+        ValueError (naming `source`) for missing, unexpected or misshapen tensors.
+        """
+        tensors = {_canonical_name(n): t for n, t in tensors.items()}
+        cfg = self.config
+        expected = {n: tuple(p.shape) for n, p in self.named_parameters()}
+        expected.update({"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
+        optional = {"embed_tokens.weight"}
+        if cfg.draft_vocab_size == cfg.vocab_size:
+            optional |= {"d2t", "t2d"}
+        missing = sorted(set(expected) - set(tensors) - optional)
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{source}: not an EAGLE-3 head in the published layout: "
+                             f"missing tensors {missing}, unexpected tensors {unexpected}")
+        if "embed_tokens.weight" not in tensors:
+            if target_embed_weight is None:
+                raise ValueError(f"{source}: has no embed_tokens.weight and no target embedding "
+                                 "was given to share")
+            tensors["embed_tokens.weight"] = target_embed_weight
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {expected[name]} from config.json")
+        self._load_vocab_maps(tensors, source)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                value = tensors[name]
+                if value is target_embed_weight:
+                    # Share the target's storage (a copy only if the dtype differs).
+                    param.data = value.to(device=param.device, dtype=param.dtype)
+                else:
+                    param.copy_(value)
+
+    def _load_vocab_maps(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        cfg = self.config
+        if "d2t" not in tensors:
+            self.d2t.zero_()
+            self.t2d.fill_(True)
+            return
+        d2t, t2d = tensors["d2t"], tensors["t2d"]
+        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+            raise ValueError(f"{source}: d2t must be int64 and t2d bool, got {d2t.dtype} and "
+                             f"{t2d.dtype}")
+        target_ids = d2t + torch.arange(cfg.draft_vocab_size)
+        if bool((target_ids < 0).any()) or bool((target_ids >= cfg.vocab_size).any()):
+            raise ValueError(f"{source}: d2t maps draft ids outside the target vocabulary "
+                             f"[0, {cfg.vocab_size})")
+        if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[target_ids].all()):
+            raise ValueError(f"{source}: t2d does not mark exactly the {cfg.draft_vocab_size} "
+                             "target tokens that d2t maps to")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+
+def _canonical_name(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def load_draft_head(path: str | Path, target_embed_weight: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    ) -> DraftHead:
+    """Load a head from a directory holding config.json and model.safetensors.
+
+    target_embed_weight [vocab_size, hidden_size]: the target's token embedding, shared when
+    the checkpoint carries none. Raises FileNotFoundError / ValueError naming the file.
+    """
+    root = Path(path)
+    config_path, weights_path = root / "config.json", root / WEIGHTS_FILE
+    for p in (config_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"draft model: {p} not found (expected config.json and "
+                                    f"{WEIGHTS_FILE} in {root})")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    config = DraftConfig.from_dict(raw)
+    with torch.device("meta"):
+        head = DraftHead(config)
+    # Empty storage in the serving dtype; rope frequencies stay float32 for accuracy.
+    head = head.to_empty(device=device).to(dtype)
+    head.inv_freq = rope_inv_freq(config).to(device)
+    tensors = load_file(str(weights_path), device=str(device))
+    head.load_weights(tensors, str(weights_path), target_embed_weight)
+    return head.eval()
