@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -294,3 +295,123 @@ def test_stats_describe_the_last_step() -> None:
     assert (stats.num_steps, stats.num_running, stats.num_waiting) == (1, 1, 1)
     assert (stats.num_scheduled_seqs, stats.num_scheduled_tokens) == (1, 6)
     assert stats.num_preemptions == 0 and stats.blocks.num_free_blocks == 62
+
+
+def true_next(token_ids: list[int]) -> int:
+    """The stand-in model's greedy next token: a function of the whole prefix."""
+    return (sum(token_ids[-3:]) * 31 + len(token_ids)) % 40 + 1  # 1..40; EOS (2) happens
+
+
+def reference_output(seq: Sequence, max_model_len: int) -> list[int]:
+    """What greedy decoding must produce for seq, computed without the scheduler."""
+    tokens, output = list(seq.prompt_token_ids), []
+    params = seq.sampling
+    while True:
+        token = true_next(tokens)
+        tokens.append(token)
+        output.append(token)
+        if (len(output) >= params.max_tokens or len(tokens) >= max_model_len
+                or (token == EOS and not params.ignore_eos)):
+            return output
+
+
+class KVSimulator:
+    """Stands in for the runner: a dict slot -> the prefix whose KV it holds.
+
+    Before a step computes tokens [start, end) of a sequence, every slot of positions
+    [0, start) must hold exactly that sequence's prefix: this catches wrong block tables,
+    wrong prefix-cache hits, and blocks freed or reused while still needed."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        block = seq.block_ids[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def run(self, batch: ScheduledBatch) -> ModelOutput:
+        sampled: dict[str, list[int]] = {}
+        for item in batch.scheduled:
+            seq = item.seq
+            tokens = seq.all_token_ids + seq.spec_token_ids
+            assert item.num_new_tokens >= 1 and item.end <= len(seq.block_ids) * self.block_size
+            prefixes = [hash(tuple(tokens[:position + 1])) for position in range(item.end)]
+            for position in range(item.start):
+                assert self.slots.get(self.slot(seq, position)) == prefixes[position]
+            for position in range(item.start, item.end):
+                self.slots[self.slot(seq, position)] = prefixes[position]
+            if item.needs_sample:
+                sampled[seq.request_id] = self.verify(seq)
+        return ModelOutput(sampled=sampled)
+
+    @staticmethod
+    def verify(seq: Sequence) -> list[int]:
+        """Greedy acceptance: drafts are accepted while they equal the model's next token;
+        the first mismatch (or the token after the last draft) is the model's own."""
+        context, result = seq.all_token_ids, []
+        for draft in seq.spec_token_ids:
+            result.append(true_next(context))
+            if result[-1] != draft:
+                return result
+            context = context + [draft]
+        return result + [true_next(context)]
+
+
+def check_block_references(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    holders = [0] * manager.num_blocks
+    for seq in scheduler.running:
+        assert len(set(seq.block_ids)) == len(seq.block_ids)
+        for block_id in seq.block_ids:
+            holders[block_id] += 1
+    assert [block.ref_count for block in manager.blocks] == holders
+    assert set(manager.free_block_ids) == {i for i, n in enumerate(holders) if n == 0}
+    for seq in scheduler.waiting:
+        assert seq.block_ids == [] and seq.num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_workloads_keep_the_cache_consistent_and_decode_greedily(seed: int) -> None:
+    """Random arrivals, budgets, block counts, drafts and aborts. Every finished sequence
+    must equal greedy decoding without the scheduler, whatever was preempted or shared."""
+    rng = random.Random(seed)
+    max_model_len = 32
+    scheduler = make_scheduler(
+        num_blocks=rng.randint(max_model_len // BLOCK, 14), max_model_len=max_model_len,
+        max_num_batched_tokens=rng.choice([4, 8, 16, 64]), max_num_seqs=rng.randint(1, 6),
+        enable_prefix_caching=rng.random() < 0.7)
+    simulator = KVSimulator(BLOCK)
+    prefixes = [[rng.randint(3, 40) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    pending: list[Sequence] = []
+    for i in range(rng.randint(4, 12)):
+        prompt = rng.choice(prefixes) + [rng.randint(3, 40) for _ in range(rng.randint(0, 10))]
+        pending.append(Sequence(f"r{i}", prompt, SamplingParams(
+            max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3)))
+    finished: list[Sequence] = []
+    for _ in range(1000):
+        if not pending and not scheduler.has_unfinished():
+            break
+        if pending and rng.random() < 0.7:
+            scheduler.add(pending.pop(0))
+        if scheduler.running and rng.random() < 0.03:
+            aborted = scheduler.abort(rng.choice(scheduler.running).request_id)
+            assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
+        for seq in scheduler.running:
+            if seq.num_computed_tokens == seq.num_tokens - 1 and rng.random() < 0.5:
+                context = seq.all_token_ids
+                drafts = []
+                for _ in range(rng.randint(1, 4)):
+                    token = true_next(context) if rng.random() < 0.7 else rng.randint(3, 40)
+                    drafts.append(token)
+                    context = context + [token]
+                seq.spec_token_ids = drafts
+        batch = scheduler.schedule()
+        check_block_references(scheduler)
+        changed = scheduler.update(batch, simulator.run(batch))
+        check_block_references(scheduler)
+        finished += [seq for seq in changed if seq.is_finished]
+    assert not scheduler.has_unfinished() and not pending
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    for seq in finished:
+        assert seq.output_token_ids == reference_output(seq, max_model_len), seq.request_id
