@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import TokenLogprobs
 
@@ -33,16 +34,14 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     """
     _check_rows(logits, params, "params")
     logits = logits.float()
-    num_rows = logits.shape[0]
-    greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     temperature = torch.tensor(
         [1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [M, V]
     if any(_filters(p) for p in params if not p.is_greedy):
         probs = _filter(probs, params)
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs)
-        one_hot[torch.arange(num_rows, device=logits.device), logits.argmax(dim=-1)] = 1.0
+    if any(p.is_greedy for p in params):  # decided on the host: no device sync
+        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)  # [M]
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 

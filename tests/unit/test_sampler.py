@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+
 from specd.ipc.sampling import SamplingParams
 from specd.workers.sampler import probs_from_logits, sample, sample_from_probs, top_logprobs
 
