@@ -1,0 +1,193 @@
+"""Acceptance of a verified draft tree: pure torch functions over a batch of trees.
+
+Node 0 of each tree is the root (see `tree.DraftTree`); the target's verify pass gives one
+row of logits per node: row i is the target's next-token distribution after node i's path.
+
+Greedy (`accept_greedy`): from the root, follow the child whose token is the target's argmax
+at the current node; stop when no child matches. The argmax at the last accepted node is the
+bonus token. Output is therefore the plain greedy output, token for token.
+
+Sampled (`accept_sampled`), the multi-draft rejection rule of SpecInfer / EAGLE, lossless:
+at the current node with target distribution p (top-k/top-p/min-p already applied), try the
+children c_1, c_2, ... in index order. Child c_j, drafted from distribution q_j, is accepted
+with probability min(1, p(c_j) / q_j(c_j)); on rejection p <- norm(max(p - q_j, 0)) and the
+next child is tried. Accepting moves to the child (p = its target row); when every child is
+rejected, or the node has none, the last token is drawn from p. Each try is one step of
+standard speculative sampling (Leviathan et al.), so the token emitted at every position has
+exactly the target's distribution, provided each c_j was drawn from q_j given the siblings
+tried before it. The drafter here picks children deterministically (top-k), i.e. q_j is
+one-hot at c_j: accept with probability p(c_j), else remove c_j from p and renormalize.
+`draft_probs` supplies real q_j rows when drafts are sampled.
+
+Random numbers: a uniform per node and one draw for the last token, per sequence from its
+own generator when it has one (reproducible per request), else from the default generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.ipc.sampling import SamplingParams
+from specd.workers.sampler import probs_from_logits, sample_from_probs
+from specd.workers.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Per sequence: accepted draft nodes (root to leaf, root excluded) and the emitted tokens.
+
+    token_ids = the accepted nodes' tokens followed by the bonus token (1 .. depth + 1 tokens).
+    """
+
+    accepted_nodes: list[list[int]]
+    token_ids: list[list[int]]
+
+
+def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
+    """target_argmax [B, T]: the target's argmax after each node (its logits' argmax)."""
+    _check_shape(tree, target_argmax, "target_argmax")
+    batch, _ = tree.token_ids.shape
+    rows = torch.arange(batch, device=target_argmax.device)
+    cur = torch.zeros(batch, dtype=torch.long, device=target_argmax.device)
+    active = torch.ones(batch, dtype=torch.bool, device=target_argmax.device)
+    path = []
+    for _ in range(int(tree.depths.max())):
+        want = target_argmax[rows, cur]  # [B]
+        match = (tree.parents == cur[:, None]) & (tree.token_ids == want[:, None]) & active[:, None]
+        found = match.any(dim=1)
+        # First matching child (lowest index); argmax of a bool row returns the first True.
+        child = match.to(torch.int8).argmax(dim=1)
+        path.append(torch.where(found, child, -1))
+        cur = torch.where(found, child, cur)
+        active = found
+        if not bool(found.any()):
+            break
+    bonus = target_argmax[rows, cur]
+    return _result(path, tree, bonus)
+
+
+def accept_sampled(tree: DraftTree, target_probs: torch.Tensor,
+                   generators: Sequence[torch.Generator | None],
+                   draft_probs: torch.Tensor | None = None,
+                   default_generator: torch.Generator | None = None) -> Acceptance:
+    """Tree rejection sampling.
+
+    target_probs [B, T, V]: each node's filtered target distribution (`probs_from_logits`;
+    greedy rows one-hot, which makes this rule greedy acceptance). draft_probs [B, T, V] or
+    None: the distribution each node was drafted from (None = chosen deterministically).
+    generators: one per sequence (None = `default_generator`, None = torch's global one).
+    """
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [B, T, V], got {tuple(target_probs.shape)}")
+    _check_shape(tree, target_probs[..., 0], "target_probs")
+    if draft_probs is not None and draft_probs.shape != target_probs.shape:
+        raise ValueError(f"draft_probs must have target_probs' shape {tuple(target_probs.shape)}, "
+                         f"got {tuple(draft_probs.shape)}")
+    batch, num_nodes, _ = target_probs.shape
+    if len(generators) != batch:
+        raise ValueError(
+            f"generators must have one entry per tree ({batch}), got {len(generators)}")
+    uniforms = _uniforms(batch, num_nodes, generators, default_generator, target_probs.device)
+    path, residual = _walk(tree, target_probs.float(), uniforms, draft_probs)
+    last = sample_from_probs(residual, generators, default_generator)
+    return _result(path, tree, last)
+
+
+def _walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor,
+          draft_probs: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The rejection walk, all trees at once. Returns the accepted node per depth ([B] each,
+    -1 once a tree stopped) and the distribution [B, V] the last token is drawn from."""
+    batch = probs.shape[0]
+    rows = torch.arange(batch, device=probs.device)
+    cur = torch.zeros(batch, dtype=torch.long, device=probs.device)
+    residual = probs[:, 0]  # [B, V]
+    active = torch.ones(batch, dtype=torch.bool, device=probs.device)
+    path = []
+    for _ in range(int(tree.depths.max())):
+        is_child = (tree.parents == cur[:, None]) & active[:, None]  # [B, T]
+        rank = is_child.cumsum(dim=1) - 1  # order among the current node's children
+        found = torch.zeros_like(active)
+        chosen = cur.clone()
+        for slot in range(int(is_child.sum(dim=1).max())):
+            trying = is_child & (rank == slot)
+            has = trying.any(dim=1) & ~found  # [B]
+            child = trying.to(torch.int8).argmax(dim=1)
+            token = tree.token_ids[rows, child]
+            p_token = residual[rows, token]
+            q_row = None if draft_probs is None else draft_probs[rows, child].float()  # [B, V]
+            q_token = 1.0 if q_row is None else q_row[rows, token]
+            # u < p / q  <=>  u * q < p, with probability min(1, p / q) for u ~ U[0, 1).
+            accepted = has & (uniforms[rows, child] * q_token < p_token)
+            found |= accepted
+            chosen = torch.where(accepted, child, chosen)
+            residual = torch.where((has & ~accepted)[:, None],
+                                   _without(residual, token, q_row), residual)
+        path.append(torch.where(found, chosen, -1))
+        residual = torch.where(found[:, None], probs[rows, chosen], residual)
+        cur, active = chosen, found
+        if not bool(found.any()):
+            break
+    return path, residual
+
+
+def _without(p: torch.Tensor, token: torch.Tensor, q_row: torch.Tensor | None) -> torch.Tensor:
+    """norm(max(p - q, 0)) [B, V]; q one-hot at `token` when q_row is None.
+
+    A row whose difference is all zero (p == q up to rounding, where acceptance is certain
+    but for rounding) keeps p, so no NaN can appear.
+    """
+    diff = p.scatter(1, token[:, None], 0.0) if q_row is None else (p - q_row).clamp(min=0.0)
+    total = diff.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, diff / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def _uniforms(batch: int, num_nodes: int, generators: Sequence[torch.Generator | None],
+              default_generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """[B, T] uniforms in [0, 1): a row per tree, from its own generator when it has one."""
+    out = torch.empty(batch, num_nodes, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        out[unseeded] = torch.rand(len(unseeded), num_nodes, device=device,
+                                   generator=default_generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(num_nodes, device=device, generator=g)
+    return out
+
+
+def _result(path: list[torch.Tensor], tree: DraftTree, last: torch.Tensor) -> Acceptance:
+    nodes_per_depth = torch.stack(path, dim=1).tolist() if path else [[] for _ in last]
+    tokens = tree.token_ids.tolist()
+    accepted = [[n for n in row if n >= 0] for row in nodes_per_depth]
+    emitted = [[tokens[b][n] for n in accepted[b]] + [int(t)] for b, t in enumerate(last.tolist())]
+    return Acceptance(accepted_nodes=accepted, token_ids=emitted)
+
+
+def _check_shape(tree: DraftTree, per_node: torch.Tensor, name: str) -> None:
+    if per_node.shape != tree.token_ids.shape:
+        raise ValueError(f"{name} must be [B, T] = {tuple(tree.token_ids.shape)} per node, got "
+                         f"{tuple(per_node.shape)}")
+
+
+def accept_tree(tree: DraftTree, target_logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None],
+                default_generator: torch.Generator | None = None) -> Acceptance:
+    """The engine's entry point: target_logits [B, T, V] of the verify pass, params and
+    generators one per tree. All-greedy batches take `accept_greedy` (no random numbers);
+    otherwise every tree goes through `accept_sampled` on `probs_from_logits` (greedy rows
+    are one-hot there, so they still follow the argmax)."""
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [B, T, V], got {tuple(target_logits.shape)}")
+    if len(params) != target_logits.shape[0]:
+        raise ValueError(f"params must have one entry per tree ({target_logits.shape[0]}), "
+                         f"got {len(params)}")
+    if all(p.is_greedy for p in params):
+        return accept_greedy(tree, target_logits.argmax(dim=-1))
+    batch, num_nodes, vocab = target_logits.shape
+    row_params = [p for p in params for _ in range(num_nodes)]
+    probs = probs_from_logits(target_logits.reshape(batch * num_nodes, vocab), row_params)
+    return accept_sampled(tree, probs.view(batch, num_nodes, vocab), generators,
+                          default_generator=default_generator)
