@@ -149,6 +149,8 @@ class Scheduler:
         """Pick this step's work: running sequences first, then waiting ones (FCFS).
 
         Every scheduled sequence holds blocks for all the tokens it computes this step.
+        Drafts that do not fit the budget or max_model_len are cut from the end of
+        `seq.spec_token_ids`, so the runner must read the drafts after `schedule`.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []

@@ -157,3 +157,15 @@ def test_allocating_twice_is_an_error() -> None:
     manager.allocate(seq)
     with pytest.raises(ValueError, match="already holds blocks"):
         manager.allocate(seq)
+
+
+def test_a_hash_collision_is_not_a_hit() -> None:
+    # CPython hashes -1 and -2 alike, so these two blocks' keys collide (real token ids are
+    # never negative; this only manufactures a collision). The key comparison must reject it.
+    manager = BlockManager(num_blocks=8, block_size=BLOCK)
+    assert hash((None, (-1, 5, 6, 7))) == hash((None, (-2, 5, 6, 7)))
+    first = make_seq("a", [-1, 5, 6, 7, 8])
+    manager.allocate(first)
+    compute_all(manager, first)
+    assert manager.allocate(make_seq("b", [-2, 5, 6, 7, 8])) == 0
+    assert manager.allocate(make_seq("c", [-1, 5, 6, 7, 8])) == 4
