@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
+
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,28 +95,7 @@ def _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk, st
     q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
     scale = tl.load(s_ptr + offs_n * stride_sn + (k0 // GROUP_SIZE) * stride_sg,
                     mask=mask_n, other=0.0)  # [BLOCK_N]
-    return _round(q.to(tl.float32) * scale.to(tl.float32)[None, :], OUT_DTYPE, EMULATE)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 x rounded to DTYPE. EMULATE (CPU interpreter with bf16 only: Triton 3.9's interpreter
-    truncates fp32 -> bf16 casts, where the GPU rounds to nearest even) rounds the bits by hand;
-    the cast after it is then exact."""
-    if EMULATE and tl.bfloat16 == DTYPE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _dot(a, b, acc, EMULATE: tl.constexpr):
-    """acc + a @ b. EMULATE (CPU interpreter with bf16 only: Triton 3.9's interpreter multiplies
-    bf16 bit patterns as integers) runs it in fp32 on the same, exactly representable values."""
-    if EMULATE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    return round_to(q.to(tl.float32) * scale.to(tl.float32)[None, :], OUT_DTYPE, EMULATE)
 
 
 @triton.jit
@@ -143,7 +124,7 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
             x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk)  # [BLOCK_K]
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None], axis=0)
         out = out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n * stride_on
-        tl.store(out, _round(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
+        tl.store(out, round_to(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -154,10 +135,10 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
                               stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc2 = _dot(x, w, acc2, EMULATE)
+            acc2 = dot_acc(x, w, acc2, EMULATE)
         out = (out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
                + offs_n[None, :] * stride_on)
-        tl.store(out, _round(acc2, out_ptr.dtype.element_ty, EMULATE),
+        tl.store(out, round_to(acc2, out_ptr.dtype.element_ty, EMULATE),
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -189,9 +170,9 @@ def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                           stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None], other=0.0)
-        acc = _dot(x, w, acc, EMULATE)
+        acc = dot_acc(x, w, acc, EMULATE)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, _round(acc, out_ptr.dtype.element_ty, EMULATE),
+    tl.store(out, round_to(acc, out_ptr.dtype.element_ty, EMULATE),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -244,11 +225,6 @@ def device_num_sms(device: torch.device) -> int:
     return 132
 
 
-def interpreter_needs_emulation(x: torch.Tensor) -> bool:
-    """True under the CPU interpreter with bf16 operands (see `_round` and `_dot`)."""
-    return x.device.type != "cuda" and x.dtype == torch.bfloat16
-
-
 def _max_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
@@ -297,7 +273,7 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
     if group_size % cfg.block_k or cfg.block_k % PACK_FACTOR:
         raise ValueError(f"block_k {cfg.block_k} must divide group_size {group_size} and be a "
                          "multiple of 8")
-    emulate = interpreter_needs_emulation(x)
+    emulate = needs_bf16_emulation(x)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

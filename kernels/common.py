@@ -1,0 +1,40 @@
+"""Triton helpers shared by the kernels: rounding and `tl.dot` that also hold under the CPU
+interpreter with bf16.
+
+Triton 3.9's interpreter (TRITON_INTERPRET=1) stores bf16 as uint16 and gets two things wrong
+that the GPU gets right: `tl.dot` on bf16 multiplies the bit patterns as integers, and fp32 ->
+bf16 casts truncate instead of rounding to nearest even. Kernels pass EMULATE=True exactly when
+they run under the interpreter with bf16 operands (`needs_bf16_emulation`); the helpers then
+compute the GPU's result by other means, so the interpreter tests check the GPU's arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def needs_bf16_emulation(t: torch.Tensor) -> bool:
+    """True for bf16 operands off CUDA, i.e. under the interpreter (see module docstring)."""
+    return t.device.type != "cuda" and t.dtype == torch.bfloat16
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 x rounded to nearest even in DTYPE. With EMULATE and bf16 the rounding is done on
+    the bits (exact for finite x), after which the interpreter's truncating cast is exact."""
+    if EMULATE and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def dot_acc(a, b, acc, EMULATE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation. With EMULATE the same (exactly representable) values
+    are multiplied in fp32, which is what the GPU's bf16 tensor-core product computes."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
