@@ -45,7 +45,8 @@ def load_target(path: Path, device: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device).eval()
+    torch.nn.Module.to(model, device)  # in place (transformers' own `to` confuses mypy)
+    return model.eval()
 
 
 def head_config(target_cfg, draft_vocab_size: int, aux_ids: tuple[int, ...]) -> DraftConfig:
