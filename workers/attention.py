@@ -9,8 +9,9 @@ tokens included, written before attention) lets every row see the prefix keys [0
 among the last T keys row i sees key j iff j <= i (causal: prefill chunks, decode), or iff
 bit j of `tree_mask[row]` is set (draft trees, T <= 64).
 
-The CPU path batches by query length: sequences with the same T form one group whose keys
-are gathered once per layer into a padded `[G, S_max]` tensor and attended by one masked
+The CPU path batches by query length: sequences with the same T form one group whose KV
+blocks are gathered once per layer (whole blocks, `index_select` on the block axis) into a
+padded `[G, max_blocks * block_size]` key tensor and attended by one masked
 `scaled_dot_product_attention`. Plain decode (every T = 1) is therefore one call per layer
 whatever the batch size; prefill chunks of different lengths are one call each. The gather
 indices and masks are built once per step in `build_attention_metadata`.
@@ -31,13 +32,14 @@ class QueryGroup:
     """Sequences with the same number of query rows T, attended in one padded batch (CPU).
 
     rows: int64 [G * T], the flat query rows of the group, sequence by sequence.
-    key_slots: int64 [G, S_max], the cache slot of each key position (padding -> slot 0).
-    mask: bool [G, 1, T, S_max], True where a query row may attend a key.
+    key_blocks: int64 [G * max_blocks], each sequence's block table padded with block 0.
+    mask: bool [G, 1, T, max_blocks * block_size], True where a query row may attend a key.
     """
 
     rows: torch.Tensor
-    key_slots: torch.Tensor
+    key_blocks: torch.Tensor
     mask: torch.Tensor
+    num_seqs: int
     num_query_rows: int
     is_all_rows: bool  # the group covers every row in order (no gather/scatter needed)
 
@@ -135,28 +137,27 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: Att
     """One masked SDPA per query-length group (see module docstring)."""
     if not meta.groups:
         raise ValueError("attention metadata has no CPU groups (it was built for CUDA)")
-    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-    k_flat = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)  # [slots, kv_heads, head_dim]
-    v_flat = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
     if len(meta.groups) == 1 and meta.groups[0].is_all_rows:
-        return _attend_group(q, k_flat, v_flat, meta.groups[0], scale)
+        return _attend_group(q, kv_cache_layer, meta.groups[0], scale)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.rows] = _attend_group(q[group.rows], k_flat, v_flat, group, scale)
+        out[group.rows] = _attend_group(q[group.rows], kv_cache_layer, group, scale)
     return out
 
 
-def _attend_group(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                  group: QueryGroup, scale: float) -> torch.Tensor:
+def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGroup,
+                  scale: float) -> torch.Tensor:
     """q [G * T, heads, head_dim] of one group -> its attention output, same shape."""
-    num_seqs, t = group.key_slots.shape[0], group.num_query_rows
-    head_dim = q.shape[-1]
-    q_g = q.view(num_seqs, t, -1, head_dim).transpose(1, 2)  # [G, heads, T, head_dim]
-    k_g = k_flat[group.key_slots].transpose(1, 2)  # [G, kv_heads, S_max, head_dim]
-    v_g = v_flat[group.key_slots].transpose(1, 2)
+    g, t = group.num_seqs, group.num_query_rows
+    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+    q_g = q.view(g, t, -1, head_dim).transpose(1, 2)  # [G, heads, T, head_dim]
+    # [2, G * max_blocks, block_size, kv_heads, head_dim] -> K, V [G, kv_heads, S_pad, head_dim]
+    kv = kv_cache_layer.index_select(1, group.key_blocks)
+    k_g = kv[0].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v_g = kv[1].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
     o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scale,
                                          enable_gqa=True)  # [G, heads, T, head_dim]
-    return o_g.transpose(1, 2).reshape(num_seqs * t, -1, head_dim)
+    return o_g.transpose(1, 2).reshape(g * t, -1, head_dim)
 
 
 def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
@@ -176,14 +177,14 @@ def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Ten
     index = torch.tensor(seqs, dtype=torch.int64)
     s_lens = torch.tensor([seq_lens[b] for b in seqs], dtype=torch.int64)  # [G]
     rows = (start_loc[index][:, None] + torch.arange(t)).reshape(-1)  # [G * T]
-    key_pos = torch.arange(int(s_lens.max()))  # [S_max]
-    key_slots = (tables[index][:, key_pos // block_size] * block_size
-                 + key_pos % block_size)  # [G, S_max]
+    max_blocks = -(-int(s_lens.max()) // block_size)
+    key_blocks = tables[index][:, :max_blocks].reshape(-1)  # [G * max_blocks]
+    key_pos = torch.arange(max_blocks * block_size)  # [S_pad]
     # Key j relative to the first query key of its sequence: < 0 is prefix, [0, T) is new.
-    rel = key_pos[None, None, :] - (s_lens - t)[:, None, None]  # [G, 1, S_max]
+    rel = key_pos[None, None, :] - (s_lens - t)[:, None, None]  # [G, 1, S_pad]
     row = torch.arange(t)[None, :, None]  # [1, T, 1]
     if tree_mask is None:
-        mask = rel <= row  # [G, T, S_max]
+        mask = rel <= row  # [G, T, S_pad]
     else:
         bits = tree_mask.cpu()[rows].view(len(seqs), t, 1)  # [G, T, 1]
         new_key_seen = ((bits >> rel.clamp(0, t - 1)) & 1).bool()
@@ -191,8 +192,8 @@ def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Ten
     mask = mask & (key_pos[None, None, :] < s_lens[:, None, None])
     is_all_rows = len(seqs) * t == num_rows and bool(
         (rows == torch.arange(num_rows)).all())
-    return QueryGroup(rows=rows, key_slots=key_slots, mask=mask[:, None], num_query_rows=t,
-                      is_all_rows=is_all_rows)
+    return QueryGroup(rows=rows, key_blocks=key_blocks, mask=mask[:, None], num_seqs=len(seqs),
+                      num_query_rows=t, is_all_rows=is_all_rows)
 
 
 def _check_lengths(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
