@@ -1,0 +1,91 @@
+"""SpecController: on/off/auto, hysteresis, and one event per transition."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.workers.spec.controller import SpecController, SpecEvent, default_resume_at
+
+
+def run(ctrl: SpecController, sizes: list[int]) -> tuple[list[bool], list[SpecEvent]]:
+    states, events = [], []
+    for size in sizes:
+        event = ctrl.update(size)
+        if event is not None:
+            events.append(event)
+        states.append(ctrl.enabled)
+    return states, events
+
+
+def test_on_and_off_never_change_with_batch_size():
+    for mode, expected in (("on", True), ("off", False)):
+        ctrl = SpecController(mode, threshold=4)
+        states, events = run(ctrl, [1, 100, 1, 100])
+        assert states == [expected] * 4
+        assert events == []
+
+
+def test_auto_turns_off_above_threshold_and_on_only_at_the_resume_mark():
+    ctrl = SpecController("auto", threshold=8, resume_at=5)
+    sizes = [1, 8, 9, 8, 7, 6, 5, 9, 6, 8, 4]
+    states, events = run(ctrl, sizes)
+    assert states == [True, True, False, False, False, False, True, False, False, False, True]
+    assert [(e.step, e.enabled, e.cause, e.batch_size) for e in events] == [
+        (3, False, "batch_above_threshold", 9),
+        (7, True, "batch_at_or_below_resume_mark", 5),
+        (8, False, "batch_above_threshold", 9),
+        (11, True, "batch_at_or_below_resume_mark", 4),
+    ]
+    assert all((e.threshold, e.resume_at, e.mode) == (8, 5, "auto") for e in events)
+    assert ctrl.num_transitions == 4
+    assert ctrl.num_steps == len(sizes)
+    assert ctrl.num_steps_on == sum(states)
+
+
+def test_hovering_at_the_threshold_does_not_flap():
+    ctrl = SpecController("auto", threshold=16)
+    _, events = run(ctrl, [17, 16, 17, 15, 16, 17, 14, 13])
+    assert [e.enabled for e in events] == [False]  # resume mark 12 never reached
+
+
+def test_default_resume_mark_is_three_quarters_and_at_least_one():
+    assert default_resume_at(16) == 12
+    assert default_resume_at(1) == 1
+    assert SpecController("auto", threshold=16).resume_at == 12
+
+
+def test_set_mode_emits_an_event_only_when_the_state_changes():
+    ctrl = SpecController("auto", threshold=4, resume_at=2)
+    ctrl.update(3)
+    assert ctrl.set_mode("on") is None
+    event = ctrl.set_mode("off")
+    assert event is not None
+    assert (event.enabled, event.cause, event.mode) == (False, "mode_set", "off")
+    # Back to auto with a batch of 3: above the resume mark 2, so it stays off until 2.
+    assert ctrl.set_mode("auto") is None
+    assert ctrl.update(3) is None and not ctrl.enabled
+    assert ctrl.update(2) is not None and ctrl.enabled
+    # A lower threshold while on turns it off at once, with the default mark.
+    event = ctrl.set_mode("auto", threshold=1)
+    assert event is not None and not event.enabled and (event.threshold, event.resume_at) == (1, 1)
+
+
+def test_event_record_carries_cause_and_figures():
+    ctrl = SpecController("auto", threshold=2, resume_at=1)
+    ctrl.update(1)
+    event = ctrl.update(3)
+    assert event is not None
+    assert event.as_dict() == {"event": "spec_off", "step": 2, "cause": "batch_above_threshold",
+                               "mode": "auto", "batch_size": 3, "threshold": 2, "resume_at": 1}
+
+
+@pytest.mark.parametrize("mode, threshold, resume_at", [
+    ("sometimes", 4, None), ("auto", 0, None), ("auto", 4, 5), ("auto", 4, 0)])
+def test_invalid_settings_raise(mode, threshold, resume_at):
+    with pytest.raises(ValueError):
+        SpecController(mode, threshold, resume_at)
+
+
+def test_negative_batch_size_raises():
+    with pytest.raises(ValueError, match="batch_size"):
+        SpecController("auto", threshold=4).update(-1)
