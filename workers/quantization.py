@@ -34,7 +34,8 @@ from specd.kernels.int4_gemm import (
 
 __all__ = [
     "Int4Linear", "QuantConfig", "build_int4_linear", "dequantize_int4", "int4_linear",
-    "is_quantized", "make_linear_factory", "pack_int4", "quantize_rtn", "unpack_int4",
+    "is_quantized", "linear_factory_for", "make_linear_factory", "pack_int4", "quantize_rtn",
+    "unpack_int4",
 ]
 
 # Keys whose value does not change how weights are stored or computed (bookkeeping written by
@@ -179,7 +180,7 @@ def is_quantized(module_name: str, qcfg: QuantConfig | None) -> bool:
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] values in [-8, 7] -> int32 [N, ceil(K/8)]: u = q + 8, element 8j+i in bits
-    [4i, 4i+4) of word j, K zero-padded (before the offset, as compressed-tensors) to 8."""
+    [4i, 4i+4) of word j; nibbles past K are 0 (u, not q: as compressed-tensors pads)."""
     if q.dtype != torch.int8 or q.dim() != 2:
         raise ValueError(f"pack_int4 needs a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
     if q.numel() and (q.min() < -8 or q.max() > 7):
@@ -187,8 +188,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     padded = torch.zeros((n, -(-k // PACK_FACTOR) * PACK_FACTOR), dtype=torch.int32,
                          device=q.device)
-    padded[:, :k] = q.to(torch.int32)
-    u = (padded + 8).view(n, -1, PACK_FACTOR)  # [N, K/8, 8]
+    padded[:, :k] = q.to(torch.int32) + 8
+    u = padded.view(n, -1, PACK_FACTOR)  # [N, K/8, 8]
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
     # Nibbles occupy disjoint bits, so the sum is a bitwise OR; int32 wraps for bit 31.
     return (u << shifts).sum(dim=-1, dtype=torch.int32)
@@ -229,10 +230,12 @@ def int4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torc
 class Int4Linear(nn.Module):
     """A W4A16 linear layer: y = x @ dequant(weight_packed, weight_scale).T + bias.
 
-    Parameters (output-major, so fused shards stack along dim 0): `weight_packed` int32
-    [out, in/8], `weight_scale` [out, in/group_size], `bias` [out] or None. `weight_shape`
-    int64 [2] = (out, in) is a non-persistent buffer: the checkpoint's per-shard
-    `weight_shape` tensors are checked by the loader (`check_weight_shape`), not loaded.
+    Parameters (all without grad): `weight_packed` int32 [out, in/8], `weight_scale`
+    [out, in/group_size] and `bias` [out] (optional) are output-major, so the shards of a fused
+    layer (q/k/v, gate/up) fill consecutive rows; `weight_shape` int64 [2] = (out, in) is the
+    whole layer's shape, checked against each shard's `weight_shape` tensor on load. The
+    scale takes the model's float dtype on load (bf16 -> fp32/fp16 is exact for scales in the
+    fp16 normal range).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
@@ -247,16 +250,12 @@ class Int4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
-        self.weight_packed = nn.Parameter(
-            torch.empty(out_features, in_features // PACK_FACTOR, dtype=torch.int32),
-            requires_grad=False)
-        self.weight_scale = nn.Parameter(
-            torch.empty(out_features, in_features // group_size, dtype=scale_dtype),
-            requires_grad=False)
-        self.register_buffer("weight_shape", torch.tensor([out_features, in_features],
-                                                          dtype=torch.int64, device="cpu"),
-                             persistent=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_packed = _frozen(torch.empty(out_features, in_features // PACK_FACTOR,
+                                                 dtype=torch.int32))
+        self.weight_scale = _frozen(torch.empty(out_features, in_features // group_size,
+                                                dtype=scale_dtype))
+        self.weight_shape = _frozen(torch.tensor([out_features, in_features], dtype=torch.int64))
+        self.bias = _frozen(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x.dtype."""
@@ -265,6 +264,35 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int | None,
+                    shard_sizes: tuple[int, ...] | None) -> None:
+        """Copy checkpoint tensor `name` (weight_packed, weight_scale, weight_shape or bias) of
+        shard `shard` (None: the whole layer) into its rows; ValueError on any mismatch."""
+        offset, rows = 0, self.out_features
+        if shard is not None:
+            if shard_sizes is None or sum(shard_sizes) != self.out_features:
+                raise ValueError(f"shard sizes {shard_sizes} do not add up to out_features "
+                                 f"{self.out_features}")
+            offset, rows = sum(shard_sizes[:shard]), shard_sizes[shard]
+        if name == "weight_shape":
+            check_weight_shape(name, tensor, rows, self.in_features)
+            self.weight_shape.data.copy_(torch.tensor([self.out_features, self.in_features]))
+            return
+        params = {"weight_packed": self.weight_packed, "weight_scale": self.weight_scale,
+                  "bias": self.bias}
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"an INT4 linear has no tensor {name!r} (expected one of "
+                             f"weight_packed, weight_scale, weight_shape"
+                             f"{', bias' if self.bias is not None else ''})")
+        dest = param.data.narrow(0, offset, rows)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(f"{name} has shape {list(tensor.shape)}, expected "
+                             f"{list(dest.shape)}")
+        if name == "weight_packed" and tensor.dtype != torch.int32:
+            raise ValueError(f"weight_packed must be int32, got {tensor.dtype}")
+        dest.copy_(tensor)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The dense weight [out, in] in the scale dtype (what compressed-tensors decompresses)."""
@@ -276,10 +304,14 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
 def check_weight_shape(name: str, weight_shape: torch.Tensor, out_features: int,
                        in_features: int) -> None:
-    """Raise ValueError unless a checkpoint's `<name>` (a `weight_shape` tensor, int32 or int64)
-    equals [out_features, in_features] of the shard it describes."""
+    """Raise ValueError unless a checkpoint's `weight_shape` tensor (int32 or int64) equals
+    [out_features, in_features] of the shard it describes."""
     if weight_shape.numel() != 2 or weight_shape.tolist() != [out_features, in_features]:
         raise ValueError(f"{name} is {weight_shape.tolist()}, expected "
                          f"[{out_features}, {in_features}]")
@@ -292,6 +324,15 @@ def build_int4_linear(prefix: str, in_features: int, out_features: int, bias: bo
         raise ValueError(f"{prefix} is not quantized under the checkpoint's quantization_config "
                          f"(targets {qcfg.targets}, ignore {qcfg.ignore})")
     return Int4Linear(in_features, out_features, bias, qcfg.group_size)
+
+
+def linear_factory_for(quantization_config: Mapping[str, Any] | None,
+                       dense: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """The linear factory for a checkpoint whose config.json holds `quantization_config`
+    (None: `dense` itself); ValueError if the config is not one specd supports."""
+    if quantization_config is None:
+        return dense
+    return make_linear_factory(QuantConfig.from_dict(quantization_config), dense)
 
 
 def make_linear_factory(qcfg: QuantConfig | None,

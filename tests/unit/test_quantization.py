@@ -1,0 +1,327 @@
+"""INT4 checkpoints: config parsing, packing, the Int4Linear layer and tools/quantize.py.
+
+The independent oracle is the `compressed-tensors` package itself: its packer, its compressor
+and its model-free checkpoint dequantizer must agree bit for bit with specd's code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    pack_to_int32,
+    unpack_from_int32,
+)
+from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+    CompressedTensorsDequantizer,
+)
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specd.workers.quantization import (
+    Int4Linear,
+    QuantConfig,
+    dequantize_int4,
+    is_quantized,
+    linear_factory_for,
+    pack_int4,
+    quantize_rtn,
+    unpack_int4,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import quantize as quantize_tool  # noqa: E402  (tools/ is not a package)
+
+# Kimi-K2-Thinking's quantization_config (docs: shared/notes/kernels.md section 1.3).
+KIMI_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+}
+
+
+def _ct_scheme(group_size: int) -> QuantizationScheme:
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=group_size)
+    return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_parses_kimi_config_and_honours_its_ignore_patterns() -> None:
+    qcfg = QuantConfig.from_dict(KIMI_CONFIG)
+    assert qcfg.group_size == 32
+    assert is_quantized("model.layers.3.mlp.experts.17.gate_proj", qcfg)
+    assert is_quantized("model.layers.60.mlp.experts.383.down_proj", qcfg)
+    assert not is_quantized("model.layers.3.self_attn.q_a_proj", qcfg)
+    assert not is_quantized("model.layers.3.mlp.shared_experts.up_proj", qcfg)
+    assert not is_quantized("model.layers.0.mlp.gate_proj", qcfg)  # the dense layer-0 MLP
+    assert not is_quantized("lm_head", qcfg)
+    assert is_quantized("lm_head_extra", qcfg)  # plain ignore entries are exact names
+    assert not is_quantized("model.layers.0.mlp.gate_proj", None)
+
+
+def test_targets_other_than_linear_are_names_or_patterns() -> None:
+    qcfg = QuantConfig(group_size=64, targets=("re:.*experts.*", "model.layers.0.o_proj"))
+    assert is_quantized("model.layers.1.mlp.experts.0.up_proj", qcfg)
+    assert is_quantized("model.layers.0.o_proj", qcfg)
+    assert not is_quantized("model.layers.1.o_proj", qcfg)
+    # re: patterns match from the start of the name (re.match), as compressed-tensors does.
+    assert not is_quantized("x.experts", QuantConfig(group_size=32, targets=("re:experts",)))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_config_round_trips_through_compressed_tensors(group_size: int) -> None:
+    """to_dict is what ModelCompressor.update_config writes; CT parses it back to our scheme."""
+    qcfg = QuantConfig(group_size=group_size, ignore=("lm_head", "re:.*mlp.gate$"))
+    ct = QuantizationConfig(config_groups={"group_0": _ct_scheme(group_size)},
+                            ignore=list(qcfg.ignore), format="pack-quantized",
+                            quantization_status="compressed")
+    import compressed_tensors
+
+    written = {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
+               "sparsity_config": {}, "transform_config": {},
+               **ct.model_dump(exclude=["quant_method"])}
+    assert qcfg.to_dict() == written
+    assert QuantConfig.from_dict(written) == qcfg
+    parsed = QuantizationConfig.model_validate(qcfg.to_dict())
+    assert parsed.config_groups["group_0"].weights.group_size == group_size
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    """KIMI_CONFIG with the dotted `path` set to `value` (the key deleted for ...)."""
+    cfg = copy.deepcopy(KIMI_CONFIG)
+    *parents, leaf = path.split(".")
+    node = cfg
+    for key in parents:
+        node = node[key]
+    if value is ...:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return cfg
+
+
+W = "config_groups.group_0.weights"
+
+
+@pytest.mark.parametrize(("path", "value", "named"), [
+    ("quant_method", "gptq", "quant_method"),
+    ("format", "naive-quantized", "format"),
+    ("format", "nvfp4-pack-quantized", "format"),
+    ("quantization_status", "frozen", "quantization_status"),
+    ("kv_cache_scheme", {"num_bits": 8}, "kv_cache_scheme"),
+    ("sparsity_config", {"format": "sparse-24-bitmask"}, "sparsity_config"),
+    ("config_groups.group_1", KIMI_CONFIG["config_groups"]["group_0"], "config_groups"),
+    ("config_groups.group_0.input_activations", {"num_bits": 8}, "input_activations"),
+    ("config_groups.group_0.format", "float-quantized", "format"),
+    ("config_groups.group_0.targets", [], "targets"),
+    (f"{W}.num_bits", 8, "num_bits"),
+    (f"{W}.type", "float", "type"),
+    (f"{W}.symmetric", False, "symmetric"),
+    (f"{W}.strategy", "channel", "strategy"),
+    (f"{W}.group_size", 16, "group_size"),
+    (f"{W}.group_size", ..., "group_size"),
+    (f"{W}.actorder", "group", "actorder"),
+    (f"{W}.dynamic", True, "dynamic"),
+    (f"{W}.block_structure", [128, 128], "block_structure"),
+    (f"{W}.rounding", "stochastic", "rounding"),
+    ("compression_ratio", 3.5, "compression_ratio"),
+    ("ignore", "lm_head", "ignore"),
+    ("ignore", ["re:(unclosed"], "unclosed"),
+])
+def test_unsupported_options_are_rejected_by_name(path: str, value: Any, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        QuantConfig.from_dict(_with(path, value))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("k", [8, 36, 96, 128])
+def test_pack_and_unpack_match_compressed_tensors(k: int) -> None:
+    q = torch.randint(-8, 8, (13, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
+    packed = pack_int4(q)
+    assert torch.equal(packed, pack_to_int32(q, 4))
+    assert torch.equal(unpack_int4(packed, k), q)
+    assert torch.equal(unpack_from_int32(packed, 4, torch.Size([13, k])), q)
+
+
+def test_pack_rejects_values_out_of_range() -> None:
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        pack_int4(torch.full((2, 8), 8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_round_to_nearest_error_is_half_a_step(group_size: int) -> None:
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(group_size)).bfloat16()
+    w[3, :group_size] = 0  # an all-zero group stays exactly zero
+    packed, scale = quantize_rtn(w, group_size)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (24, 256 // group_size)
+    deq = dequantize_int4(packed, scale, group_size, 256, torch.float32)
+    step = scale.float().repeat_interleave(group_size, dim=1)
+    # Half a step, plus the bf16 rounding of the scale itself (relative 2**-8, times |q| <= 8).
+    assert bool(((w.float() - deq).abs() <= step * (0.5 + 8 * 2**-8)).all())
+    assert torch.equal(deq[3, :group_size], torch.zeros(group_size))
+    q = unpack_int4(packed, 256)
+    assert int(q.min()) == -8 or int(q.max()) == 7  # the full signed range is used
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def test_weights_compressed_by_compressed_tensors_load_to_the_same_values() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=gen).bfloat16()
+    scale = (weight.float().view(40, 3, 32).abs().amax(-1) / 7.5).bfloat16()  # CT's minmax
+    compressed = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale},
+                                                       _ct_scheme(32))
+    expected = PackedQuantizationCompressor.decompress(compressed, _ct_scheme(32))["weight"]
+    layer = Int4Linear(96, 40, bias=False, group_size=32)
+    for name, tensor in compressed.items():
+        layer.load_weight(name, tensor, None, None)
+    assert torch.equal(layer.dequantized_weight(), expected)
+    # In fp32 the layer dequantizes exactly (q * scale, no bf16 rounding of the product).
+    q = unpack_from_int32(compressed["weight_packed"], 4, torch.Size([40, 96]))
+    exact = q.float() * scale.float().repeat_interleave(32, dim=1)
+    x = torch.randn(5, 96, generator=gen)
+    torch.testing.assert_close(layer(x), x @ exact.t())
+    torch.testing.assert_close(layer(x.bfloat16()), (x.bfloat16().float() @ expected.float().t())
+                               .bfloat16())
+
+
+def test_fused_shards_fill_their_rows_and_check_weight_shape() -> None:
+    """q/k/v shards of sizes (8, 4, 4) stacked into one layer, with their biases."""
+    gen = torch.Generator().manual_seed(1)
+    shards = [torch.randn(rows, 64, generator=gen) for rows in (8, 4, 4)]
+    layer = Int4Linear(64, 16, bias=True, group_size=32).float()
+    biases = [torch.randn(w.shape[0], generator=gen) for w in shards]
+    for i, (w, b) in enumerate(zip(shards, biases, strict=True)):
+        packed, scale = quantize_rtn(w, 32)
+        for name, t in (("weight_packed", packed), ("weight_scale", scale),
+                        ("weight_shape", torch.tensor(w.shape)), ("bias", b)):
+            layer.load_weight(name, t, i, (8, 4, 4))
+    assert layer.weight_shape.tolist() == [16, 64]
+    dense = torch.cat([dequantize_int4(*quantize_rtn(w, 32), 32, 64, torch.float32)
+                       for w in shards])
+    x = torch.randn(3, 2, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ dense.t() + torch.cat(biases))
+    with pytest.raises(ValueError, match=r"weight_shape is \[4, 64\], expected \[8, 64\]"):
+        layer.load_weight("weight_shape", torch.tensor([4, 64]), 0, (8, 4, 4))
+    with pytest.raises(ValueError, match="weight_packed has shape"):
+        layer.load_weight("weight_packed", torch.zeros(4, 9, dtype=torch.int32), 1, (8, 4, 4))
+    with pytest.raises(ValueError, match="no tensor 'weight'"):
+        layer.load_weight("weight", torch.zeros(4, 64), 1, (8, 4, 4))
+
+
+def test_linear_factory_picks_int4_or_dense_per_module() -> None:
+    def dense(i: int, o: int, bias: bool, names: tuple[str, ...]) -> nn.Module:
+        return nn.Linear(i, o, bias=bias)
+
+    factory = linear_factory_for(_with("ignore", ["lm_head", "re:.*o_proj"]), dense)
+    qkv = factory(64, 96, False, ("l.0.q_proj", "l.0.k_proj", "l.0.v_proj"))
+    assert isinstance(qkv, Int4Linear) and qkv.group_size == 32
+    assert isinstance(factory(64, 64, False, ("l.0.o_proj",)), nn.Linear)
+    assert isinstance(factory(64, 1000, False, ("lm_head",)), nn.Linear)
+    with pytest.raises(ValueError, match="mixes INT4 and dense"):
+        factory(64, 96, False, ("l.0.q_proj", "l.0.o_proj"))
+    assert linear_factory_for(None, dense) is dense
+    with pytest.raises(ValueError, match="does not divide in_features"):
+        factory(80, 16, False, ("l.0.down_proj",))
+
+
+# ----------------------------------------------------------------------------- the tool
+
+
+def _write_bf16_checkpoint(root: Path) -> dict[str, torch.Tensor]:
+    """A two-layer Llama-shaped checkpoint in two shards with an index and side files."""
+    gen = torch.Generator().manual_seed(2)
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(50, 64),
+                                        "model.norm.weight": torch.ones(64),
+                                        "lm_head.weight": torch.randn(50, 64)}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+                  "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+                  "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64), "mlp.down_proj": (64, 96)}
+        for name, shape in shapes.items():
+            tensors[f"{p}.{name}.weight"] = torch.randn(*shape, generator=gen) * 0.05
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(64)
+        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(64)
+    tensors = {k: v.bfloat16() for k, v in tensors.items()}
+    root.mkdir()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(root / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                  "torch_dtype": "bfloat16"}))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "generation_config.json").write_text('{"eos_token_id": 2}')
+    return tensors
+
+
+def _read_dir(root: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(root.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+def test_quantize_tool_output_decompresses_with_compressed_tensors(tmp_path: Path) -> None:
+    src, dst = tmp_path / "bf16", tmp_path / "int4"
+    original = _write_bf16_checkpoint(src)
+    assert quantize_tool.main([str(src), str(dst), "--group-size", "32"]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    qcfg = QuantConfig.from_dict(config["quantization_config"])
+    assert qcfg == QuantConfig(group_size=32, ignore=("lm_head",))
+    assert (dst / "tokenizer.json").is_file() and (dst / "generation_config.json").is_file()
+    written = _read_dir(dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(written)
+    # compressed-tensors' own model-free dequantizer, on the files as written.
+    ct_dense = CompressedTensorsDequantizer(dst, dtype=torch.bfloat16).process(dict(written))
+    assert set(ct_dense) == set(original)
+    for name, tensor in original.items():
+        module = name.removesuffix(".weight")
+        if f"{module}.weight_packed" in written:
+            assert written[f"{module}.weight_shape"].tolist() == list(tensor.shape)
+            ours = dequantize_int4(written[f"{module}.weight_packed"],
+                                   written[f"{module}.weight_scale"], 32, tensor.shape[1])
+            assert torch.equal(ct_dense[name], ours), name
+            assert ".layers." in name
+        else:  # embeddings, norms, lm_head: untouched
+            assert torch.equal(written[name], tensor), name
+            assert ".layers." not in name or name.endswith("norm.weight")
+
+
+def test_quantize_tool_refuses_bad_input(tmp_path: Path) -> None:
+    src = tmp_path / "bf16"
+    _write_bf16_checkpoint(src)
+    with pytest.raises(ValueError, match="not a multiple of group size 128"):
+        quantize_tool.quantize_checkpoint(src, tmp_path / "out", 128, [])
+    quantize_tool.quantize_checkpoint(src, tmp_path / "ok", 32, ["re:.*mlp.down_proj"])
+    written = _read_dir(tmp_path / "ok")
+    assert written["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="already has a quantization_config"):
+        quantize_tool.quantize_checkpoint(tmp_path / "ok", tmp_path / "again", 32, [])

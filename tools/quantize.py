@@ -1,0 +1,159 @@
+"""Quantize a bf16 checkpoint into a compressed-tensors `pack-quantized` INT4 (W4A16) one.
+
+    python tools/quantize.py SRC_DIR DST_DIR [--group-size 32] [--ignore PATTERN ...]
+
+Every linear weight of the decoder blocks (`...layers.N....weight`, 2-D, not a norm) is
+quantized round-to-nearest, symmetric, per group of `group_size` input columns
+(`specd.workers.quantization.quantize_rtn`) and stored as `weight_packed` int32 [out, in/8],
+`weight_scale` bf16 [out, in/group] and `weight_shape` int64 [2]. Embeddings, norms and
+lm_head stay as they are: lm_head and any other 2-D weight outside the blocks are named in
+the config's `ignore` list (with the `--ignore` patterns), which is how compressed-tensors,
+vLLM, SGLang and specd's loader know to keep them dense. The output keeps the input's file
+sharding; tensors are read one at a time through safetensors' memory map, so memory holds one
+output shard at most. config.json gets `quantization_config` exactly as compressed-tensors
+writes it; tokenizer, generation and other non-weight files are copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specd.workers.loader import INDEX_FILE, checkpoint_files
+from specd.workers.quantization import QuantConfig, is_quantized, quantize_rtn
+
+BLOCK_WEIGHT = re.compile(r"(^|.*\.)layers\.\d+\..+\.weight$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+EMBEDDING_NAMES = ("embed_tokens",)
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr: `[#####.....] 12/34 name`."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total = max(total, 1)
+        self.width = width
+        self.done = 0
+        self.started = time.monotonic()
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        filled = self.width * self.done // self.total
+        elapsed = time.monotonic() - self.started
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
+                         f"{self.done}/{self.total} {elapsed:5.1f}s {label[:60]:<60}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def is_block_linear(name: str, tensor_ndim: int) -> bool:
+    """A decoder-block linear weight: `...layers.N.<module>.weight`, 2-D, not a norm."""
+    module = name.removesuffix(".weight")
+    return (tensor_ndim == 2 and BLOCK_WEIGHT.match(name) is not None
+            and not module.endswith("norm"))
+
+
+def plan_ignore(src: Path, extra_ignore: list[str]) -> list[str]:
+    """The `ignore` list: lm_head, every other 2-D weight outside the blocks except the
+    embeddings (not a Linear, so never targeted), and the user's patterns."""
+    ignore = ["lm_head"]
+    for path, _ in checkpoint_files(src):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                module = name.removesuffix(".weight")
+                is_2d = len(f.get_slice(name).get_shape()) == 2
+                if (name.endswith(".weight") and is_2d and not is_block_linear(name, 2)
+                        and not module.endswith(EMBEDDING_NAMES) and module not in ignore):
+                    ignore.append(module)
+    return ignore + [p for p in extra_ignore if p not in ignore]
+
+
+def quantize_checkpoint(src: Path, dst: Path, group_size: int, extra_ignore: list[str]) -> None:
+    """Write the INT4 checkpoint of `src` into `dst` (created; must not hold a checkpoint)."""
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{src}/config.json already has a quantization_config")
+    if (dst / "config.json").exists():
+        raise ValueError(f"{dst} already holds a checkpoint (config.json exists)")
+    qcfg = QuantConfig(group_size=group_size, ignore=tuple(plan_ignore(src, extra_ignore)))
+    dst.mkdir(parents=True, exist_ok=True)
+    files = list(checkpoint_files(src))
+    total = 0
+    for path, _ in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))
+    bar = ProgressBar(total)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for path, _ in files:
+        out = _quantize_file(path, qcfg, bar)
+        save_file(out, str(dst / path.name), metadata={"format": "pt"})
+        weight_map.update({name: path.name for name in out})
+        total_bytes += sum(t.numel() * t.element_size() for t in out.values())
+    if (src / INDEX_FILE).is_file():
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(
+            weight_map.items()))}
+        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _copy_side_files(src, dst)
+    config["quantization_config"] = qcfg.to_dict()
+    with open(dst / "config.json", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _quantize_file(path: Path, qcfg: QuantConfig, bar: ProgressBar) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+            tensor = f.get_tensor(name)
+            module = name.removesuffix(".weight")
+            if is_block_linear(name, tensor.dim()) and is_quantized(module, qcfg):
+                if tensor.shape[1] % qcfg.group_size:
+                    raise ValueError(f"{name}: in_features {tensor.shape[1]} is not a multiple "
+                                     f"of group size {qcfg.group_size}; pass --ignore {module}")
+                packed, scale = quantize_rtn(tensor, qcfg.group_size)
+                out[f"{module}.weight_packed"] = packed
+                out[f"{module}.weight_scale"] = scale
+                out[f"{module}.weight_shape"] = torch.tensor(tensor.shape)  # int64, as CT
+            else:
+                out[name] = tensor.contiguous()
+            bar.advance(name)
+    return out
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, chat template, licence...: every top-level non-weight file."""
+    for path in sorted(src.iterdir()):
+        if (path.is_file() and path.name not in ("config.json", INDEX_FILE)
+                and not path.name.endswith(WEIGHT_SUFFIXES)):
+            shutil.copy2(path, dst / path.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", type=Path, help="bf16 Hugging Face checkpoint directory")
+    parser.add_argument("dst", type=Path, help="output directory (created)")
+    parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
+    parser.add_argument("--ignore", action="append", default=[],
+                        help="module name or re:pattern to keep dense (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        quantize_checkpoint(args.src, args.dst, args.group_size, args.ignore)
+    except (ValueError, OSError) as e:
+        print(f"quantize: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
