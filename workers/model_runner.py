@@ -80,16 +80,19 @@ class ModelRunner:
     block k - 1), strictly ascending, whose concatenation each step leaves in
     `last_aux_hidden` [N, len(capture_layers) * hidden] for the speculative drafter, beside
     `last_hidden` [N, hidden] (after the final norm) and `last_inputs` (the row layout).
+    make_linear: how linear layers are built; None picks dense or INT4 from the checkpoint.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
                  capture_layers: Sequence[int] = (),
-                 make_linear: LinearFactory = dense_linear) -> None:
+                 make_linear: LinearFactory | None = None) -> None:
         self.config = config
         self.model_config = model_config or ModelConfig.from_dir(config.model_path)
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.torch_dtype_name]
         self.capture_layers = _checked_capture_layers(capture_layers, self.model_config)
+        if make_linear is None:
+            make_linear = _linear_factory(self.model_config)
         self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
         self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks,
@@ -168,6 +171,16 @@ def _token_slice(seq: Seq, start: int, end: int) -> list[int]:
         raise ValueError(f"request {seq.request_id}: tokens [{start}, {end}) scheduled but it "
                          f"has only {offset}")
     return out
+
+
+def _linear_factory(cfg: ModelConfig) -> LinearFactory:
+    """Dense linears, or INT4 ones where the checkpoint's quantization_config says so."""
+    if cfg.quantization_config is None:
+        return dense_linear
+    # Imported only for quantized checkpoints: it pulls in the Triton INT4 kernel module.
+    from specd.workers.quantization import linear_factory_for
+
+    return linear_factory_for(cfg.quantization_config, dense_linear)
 
 
 def _checked_capture_layers(layers: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:

@@ -1,0 +1,130 @@
+"""ModelRunner behaviour beyond logits parity: KV block budget, sampling with per-request
+generators, log-probs, and the inputs it refuses. Driven with hand-built sequences and block
+tables on a tiny random Llama (no scheduler)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specd.ipc.sampling import SamplingParams
+from specd.workers.batch import ScheduledBatch, ScheduledSequence
+from specd.workers.config import EngineConfig
+from specd.workers.kv_cache import kv_block_bytes
+from specd.workers.model_runner import ModelRunner
+from specd.workers.sequence import Sequence
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def make_runner(model_dir: Path, **options: object) -> ModelRunner:
+    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE,
+                          **{"num_kv_blocks": 32, **options})
+    return ModelRunner(config)
+
+
+def generate(runner: ModelRunner, seqs: list[Sequence], num_steps: int) -> None:
+    """Prefill then decode every sequence for `num_steps` steps, blocks handed out in order."""
+    next_block = 0
+    for _ in range(num_steps):
+        work = [(s, s.num_tokens - s.num_computed_tokens) for s in seqs]
+        for s, n in work:
+            while len(s.block_ids) * BLOCK_SIZE < s.num_computed_tokens + n:
+                s.block_ids.append(next_block)
+                next_block += 1
+        output = runner.execute(ScheduledBatch([ScheduledSequence(s, n) for s, n in work]))
+        for s, n in work:
+            s.num_computed_tokens += n
+            s.output_token_ids += output.sampled[s.request_id]
+
+
+def test_block_count_follows_the_memory_budget(model_dir: Path) -> None:
+    runner = make_runner(model_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20)
+    per_block = kv_block_bytes(runner.model_config, BLOCK_SIZE, torch.float32)
+    assert per_block == 2 * 2 * BLOCK_SIZE * 2 * 8 * 4  # K+V, layers, tokens, kv heads, dim, fp32
+    assert runner.num_kv_blocks == (1 << 20) // per_block
+    assert [tuple(c.shape) for c in runner.kv_caches] == [(2, runner.num_kv_blocks, 4, 2, 8)] * 2
+
+
+def test_budget_below_one_block_is_refused(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes .* holds no KV block"):
+        make_runner(model_dir, num_kv_blocks=None, kv_cache_memory_bytes=100)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(model_dir: Path) -> None:
+    hot = SamplingParams(temperature=1.5, seed=7)
+    alone = [Sequence("a", [1, 2, 3], hot)]
+    generate(make_runner(model_dir), alone, 12)
+    crowd = [Sequence("x", [4, 5], SamplingParams(temperature=1.0)), Sequence("a", [1, 2, 3], hot),
+             Sequence("y", [9], SamplingParams())]
+    generate(make_runner(model_dir), crowd, 12)
+    assert crowd[1].output_token_ids == alone[0].output_token_ids
+    other_seed = [Sequence("a", [1, 2, 3], SamplingParams(temperature=1.5, seed=8))]
+    generate(make_runner(model_dir), other_seed, 12)
+    assert other_seed[0].output_token_ids != alone[0].output_token_ids
+
+
+def test_release_drops_the_generator_so_a_reused_id_starts_over(model_dir: Path) -> None:
+    runner = make_runner(model_dir)
+    first = [Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0, seed=3))]
+    generate(runner, first, 6)
+    assert "a" in runner.generators
+    runner.release("a")
+    runner.release("never-seen")
+    assert runner.generators == {}
+    again = [Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0, seed=3))]
+    generate(runner, again, 6)
+    assert again[0].output_token_ids == first[0].output_token_ids
+
+
+def test_logprobs_are_returned_only_when_asked(model_dir: Path) -> None:
+    runner = make_runner(model_dir)
+    asked = Sequence("asked", [1, 2, 3, 4, 5], SamplingParams(logprobs=3))
+    plain = Sequence("plain", [6, 7], SamplingParams())
+    asked.block_ids, plain.block_ids = [0, 1], [2]
+    output = runner.execute(ScheduledBatch([ScheduledSequence(asked, 5),
+                                            ScheduledSequence(plain, 2)]))
+    assert set(output.logprobs) == {"asked"}
+    (lp,) = output.logprobs["asked"]
+    assert len(lp.top_ids) == 3 and lp.top_ids[0] == output.sampled["asked"][0]  # greedy
+    assert lp.logprob == pytest.approx(lp.top_logprobs[0])
+    assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+
+
+def test_a_prefill_chunk_that_does_not_reach_the_end_samples_nothing(model_dir: Path) -> None:
+    runner = make_runner(model_dir)
+    seq = Sequence("a", list(range(10)), SamplingParams())
+    seq.block_ids = [0, 1, 2]
+    assert runner.execute(ScheduledBatch([ScheduledSequence(seq, 6)])).sampled == {}
+
+
+def test_draft_tokens_are_refused_by_the_plain_step(model_dir: Path) -> None:
+    runner = make_runner(model_dir)
+    seq = Sequence("a", [1, 2, 3], SamplingParams())
+    seq.spec_token_ids = [4, 5]
+    seq.block_ids = [0, 1]
+    with pytest.raises(ValueError, match=r"requests \['a'\] carry draft tokens"):
+        runner.execute(ScheduledBatch([ScheduledSequence(seq, 5)]))
+
+
+@pytest.mark.parametrize("layers", [(3,), (2, 1), (1, 1), (-1,)])
+def test_capture_layers_must_be_ascending_and_in_range(model_dir: Path,
+                                                       layers: tuple[int, ...]) -> None:
+    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+    with pytest.raises(ValueError, match=r"capture_layers must be strictly ascending .*\[0, 2\]"):
+        ModelRunner(config, capture_layers=layers)
