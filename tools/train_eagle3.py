@@ -28,6 +28,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -111,33 +112,70 @@ def corpus_ids(tokenizer_path: Path, max_files: int, rng: random.Random) -> torc
 @torch.no_grad()
 def greedy_continue(target, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
     """prompts [B, P] -> [B, P + num_new]: the target's greedy continuation (EOS not special)."""
-    out = target(input_ids=prompts, use_cache=True)
-    past, tokens = out.cache, [prompts]
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return greedy_continue_with_outputs(target, prompts, num_new, ())[0]
+
+
+@torch.no_grad()
+def greedy_continue_with_outputs(target, prompts: torch.Tensor, num_new: int,
+                                 aux_ids: tuple[int, ...],
+                                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Greedy continuation plus the target's outputs at every position, from the same passes.
+
+    Returns tokens [B, P + num_new], aux hidden states [B, P + num_new, 3H] (None when no
+    aux_ids) and logits [B, P + num_new, V], in the target's dtype.
+    """
+    want_hidden = bool(aux_ids)
+    out = target(input_ids=prompts, use_cache=True, output_hidden_states=want_hidden)
+    tokens, logits, aux = [prompts], [out.logits], []
+    if want_hidden:
+        aux.append(torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1))
     for _ in range(num_new):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(nxt)
-        out = target(input_ids=nxt, cache=past, use_cache=True)
-        past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-    return torch.cat(tokens, dim=1)
+        out = target(input_ids=nxt, cache=out.cache, use_cache=True,
+                     output_hidden_states=want_hidden)
+        logits.append(out.logits)
+        if want_hidden:
+            aux.append(torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1))
+    return (torch.cat(tokens, dim=1), torch.cat(aux, dim=1) if aux else None,
+            torch.cat(logits, dim=1))
 
 
-def build_sequences(args: argparse.Namespace, target, stream: torch.Tensor,
-                    gen: torch.Generator) -> torch.Tensor:
-    """Training sequences [num, seq_len]: text windows, or prompts + greedy continuations."""
+@dataclass(frozen=True)
+class TrainData:
+    """Training sequences [N, S]; with greedy data also the target's aux hidden states
+    [N, S, 3H] and logits [N, S, V] (bf16), so training needs no second target pass."""
+
+    tokens: torch.Tensor
+    aux: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+def build_data(args: argparse.Namespace, target, stream: torch.Tensor, aux_ids: tuple[int, ...],
+               gen: torch.Generator) -> TrainData:
+    """Text windows, or prompts + the target's greedy continuations (with its outputs)."""
     if args.data == "text":
         starts = torch.randint(0, len(stream) - args.seq_len, (args.num_sequences,), generator=gen)
-        return torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()])
+        return TrainData(torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()]),
+                         None, None)
     prompt_len = args.prompt_tokens
     starts = torch.randint(0, len(stream) - prompt_len, (args.num_sequences,), generator=gen)
     prompts = torch.stack([stream[s: s + prompt_len] for s in starts.tolist()])
-    out, t0 = [], time.time()
+    tokens, aux, logits, t0 = [], [], [], time.time()
     for i in range(0, len(prompts), args.gen_batch):
-        out.append(greedy_continue(target, prompts[i: i + args.gen_batch].to(args.device),
-                                   args.seq_len - prompt_len).cpu())
+        with autocast(args):
+            t, a, lg = greedy_continue_with_outputs(
+                target, prompts[i: i + args.gen_batch].to(args.device),
+                args.seq_len - prompt_len, aux_ids)
+        if a is None:
+            raise RuntimeError("greedy data: no aux hidden states were captured")
+        tokens.append(t.cpu())
+        aux.append(a.to(torch.bfloat16).cpu())
+        logits.append(lg.to(torch.bfloat16).cpu())
         done = min(i + args.gen_batch, len(prompts))
         print(f"generated {done}/{len(prompts)} continuations ({time.time() - t0:.0f}s)",
               flush=True)
-    return torch.cat(out)
+    return TrainData(torch.cat(tokens), torch.cat(aux), torch.cat(logits))
 
 
 def draft_vocab(sequences: torch.Tensor, vocab_size: int, size: int,
@@ -176,21 +214,20 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out  # [B, T, heads, d]
 
 
-def ttt_loss(head: DraftHead, target_out, seqs: torch.Tensor, aux_ids: tuple[int, ...],
+def ttt_loss(head: DraftHead, aux: torch.Tensor, logits: torch.Tensor, seqs: torch.Tensor,
              draft_ids: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, list[float]]:
     """Weighted loss over the unrolled steps, and the top-1 agreement with the target per step.
 
-    seqs [B, S]; row i of step k reads token i + 1 + k and predicts token i + 2 + k (the
-    target's distribution at position i + 1 + k), at rope position i + k.
+    seqs [B, S]; aux [B, S, 3H] the target's hidden states at the aux layers; logits
+    [B, S, V] the target's. Row i of step k reads token i + 1 + k and predicts token i + 2 + k
+    (the target's distribution at position i + 1 + k), at rope position i + k.
     """
-    aux = torch.cat([target_out.hidden_states[i] for i in aux_ids], dim=-1)  # [B, S, 3H]
-    logits = target_out.logits  # [B, S, V]
     target_p = torch.softmax(logits[..., draft_ids].float(), dim=-1)  # [B, S, Vd]
     target_top = logits.argmax(-1)  # [B, S]
     in_vocab = head.t2d[target_top]  # [B, S]: rows whose target argmax the draft can name
     num_rows = seqs.shape[1] - 1
     rows = torch.arange(num_rows, device=seqs.device)
-    hidden = head.fuse(aux[:, :num_rows])
+    hidden = head.fuse(aux[:, :num_rows].to(head.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     total = torch.zeros((), device=seqs.device)
@@ -214,6 +251,12 @@ def ttt_loss(head: DraftHead, target_out, seqs: torch.Tensor, aux_ids: tuple[int
     return total, agreement
 
 
+def autocast(args: argparse.Namespace) -> torch.autocast:
+    """bf16 autocast (3x the fp32 matmul rate on this CPU); master weights stay fp32."""
+    device_type = "cuda" if args.device.startswith("cuda") else "cpu"
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=not args.fp32)
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -231,6 +274,8 @@ def train(args: argparse.Namespace) -> None:
     deadline = t_start + args.minutes * 60
 
     target = load_target(target_dir, args.device)
+    if not args.fp32:
+        target.to(torch.bfloat16)  # cast once; autocast would re-cast every decode step
     for p in target.parameters():
         p.requires_grad_(False)
     tcfg = target.config
@@ -241,7 +286,8 @@ def train(args: argparse.Namespace) -> None:
         raise ValueError(f"--aux-layers {list(aux_ids)}: must lie in [0, {num_layers - 1}]")
     stream = corpus_ids(target_dir / "tokenizer.json", args.max_files, rng)
     print(f"corpus: {len(stream):,} tokens; target {num_layers} layers, aux layers {aux_ids}")
-    seqs = build_sequences(args, target, stream, gen)
+    data = build_data(args, target, stream, aux_ids, gen)
+    seqs = data.tokens
     d2t, t2d, coverage = draft_vocab(seqs, tcfg.vocab_size, min(args.draft_vocab_size,
                                                                   tcfg.vocab_size))
     print(f"data: {seqs.shape[0]} sequences x {seqs.shape[1]} tokens; draft vocab "
@@ -264,8 +310,13 @@ def train(args: argparse.Namespace) -> None:
     while step < args.max_steps and time.time() < deadline:
         idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
         batch = seqs[idx].to(args.device)
-        with torch.no_grad():
-            target_out = target(input_ids=batch, output_hidden_states=True)
+        if data.aux is not None and data.logits is not None:
+            aux, logits = data.aux[idx].to(args.device), data.logits[idx].to(args.device)
+        else:
+            with torch.no_grad(), autocast(args):
+                target_out = target(input_ids=batch, output_hidden_states=True)
+            aux = torch.cat([target_out.hidden_states[i] for i in aux_ids], dim=-1)
+            logits = target_out.logits
         # The schedule decays over the steps the time box allows, estimated from the pace.
         if step == 5:
             per_step = (time.time() - t_train) / 5
@@ -273,7 +324,8 @@ def train(args: argparse.Namespace) -> None:
         lr = lr_at(step, est_steps, args.lr, args.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, agreement = ttt_loss(head, target_out, batch, aux_ids, draft_ids, args.ttt_steps)
+        with autocast(args):
+            loss, agreement = ttt_loss(head, aux, logits, batch, draft_ids, args.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -323,6 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
