@@ -150,11 +150,18 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
     """q [G * T, heads, head_dim] of one group -> its attention output, same shape."""
     g, t = group.num_seqs, group.num_query_rows
     num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-    q_g = q.view(g, t, -1, head_dim).transpose(1, 2)  # [G, heads, T, head_dim]
     # [2, G * max_blocks, block_size, kv_heads, head_dim] -> K, V [G, kv_heads, S_pad, head_dim]
     kv = kv_cache_layer.index_select(1, group.key_blocks)
     k_g = kv[0].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
     v_g = kv[1].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if t == 1:
+        # Decode: the heads sharing a KV head become that KV head's query rows (head h uses
+        # KV head h // group, as transformers' repeat_kv), so K/V are never repeated and the
+        # [G, 1, 1, S_pad] mask broadcasts over them.
+        q_g = q.view(g, num_kv_heads, -1, head_dim)  # [G, kv_heads, group, head_dim]
+        o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scale)
+        return o_g.reshape(g, -1, head_dim)
+    q_g = q.view(g, t, -1, head_dim).transpose(1, 2)  # [G, heads, T, head_dim]
     o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scale,
                                          enable_gqa=True)  # [G, heads, T, head_dim]
     return o_g.transpose(1, 2).reshape(g * t, -1, head_dim)
