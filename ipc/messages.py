@@ -117,6 +117,14 @@ class Stop(_Request, frozen=True, tag="stop"):
 ClientMessage = Generate | Abort | StatusQuery | StatsQuery | SetSpec | Drain | Stop
 
 
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output token's log-probability and the top-n alternatives, most likely first."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 # ---- front -> client ---------------------------------------------------------------------
 
 
@@ -132,6 +140,7 @@ class Delta(_Reply, frozen=True, tag="delta"):
     id: int
     text: str = ""
     token_ids: list[int] = []
+    logprobs: list[Logprob] = []  # one per token id when the request asked for logprobs
 
 
 class Final(_Reply, frozen=True, tag="final"):
@@ -151,6 +160,7 @@ class Final(_Reply, frozen=True, tag="final"):
     num_accepted: int = 0
     acceptance_length: float = 0.0
     stop_string: str | None = None
+    logprobs: list[Logprob] = []
 
 
 class Error(_Reply, frozen=True, tag="error"):
@@ -261,6 +271,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     num_cached_tokens: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    logprobs: list[Logprob] = []
 
 
 class StepOutput(_Link, frozen=True, tag="step"):

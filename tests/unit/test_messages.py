@@ -22,6 +22,7 @@ CLIENT_MESSAGES = [
 ]
 SERVER_MESSAGES = [
     m.Delta(id=1, text="hé", token_ids=[3, 4]),
+    m.Delta(id=2, text="x", token_ids=[5], logprobs=[m.Logprob(-0.5, [5, 6], [-0.5, -1.5])]),
     m.Delta(id=1),
     m.Final(id=1, finish_reason="stop", num_prompt_tokens=3, num_output_tokens=2,
             num_drafted=6, num_accepted=4, acceptance_length=2.5, stop_string="\n"),
@@ -70,11 +71,11 @@ def test_every_message_type_round_trips(union: typing.Any, samples: list[typing.
 
 
 def test_per_token_messages_are_compact_arrays() -> None:
-    # A delta is [tag, id, text, ids]: no field names on the wire.
+    # A delta is [tag, id, text, ids, logprobs]: no field names on the wire.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.Delta(7, "a", [1]))) == [
-        "delta", 7, "a", [1]]
+        "delta", 7, "a", [1], []]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.TokenDelta("r", [2]))) == [
-        "r", [2], None, 0, 0, 0, 0, 0]
+        "r", [2], None, 0, 0, 0, 0, 0, []]
     # Missing trailing fields decode to their defaults (fields can be appended later).
     decoder = msgspec.msgpack.Decoder(m.ServerMessage)
     assert decoder.decode(msgspec.msgpack.encode(["delta", 7])) == m.Delta(7)

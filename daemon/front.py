@@ -1,0 +1,574 @@
+"""The front process: client requests in, scheduler output out, and the daemon's lifecycle.
+
+States: starting (scheduler loading; generate answers `starting`) -> ready -> draining
+(no new requests; `shutting_down`) -> exit 0, or -> failed (scheduler died, hung, raised,
+or was built from other code) -> exit 75 / 78 after every open request got an error frame.
+
+Everything runs on one asyncio (uvloop) thread; no handler awaits a client, so one client
+never delays another. No torch is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+import msgspec
+
+import specd
+from specd.daemon import provenance
+from specd.daemon.config import DaemonConfig
+from specd.daemon.detokenizer import IncrementalDetokenizer
+from specd.daemon.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
+from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle
+from specd.daemon.logs import log_event
+from specd.daemon.request_table import OpenRequest, RequestTable
+from specd.daemon.scheduler_handle import SchedulerHandle
+from specd.daemon.server import Connection
+from specd.daemon.tokenizer import TemplateError, Tokenizer
+from specd.ipc import messages as m
+from specd.ipc.framing import FrameCodec
+from specd.ipc.zmq_link import LinkSendError
+
+log = logging.getLogger("specd.front")
+
+TICK_S = 0.1
+QUERY_TIMEOUT_S = 5.0
+EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
+STACK_DUMP_WAIT_S = 0.5
+SHUTDOWN_WAIT_S = 5.0
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class RequestError(Exception):
+    """A generate request refused before it reached the scheduler."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Front:
+    """Owns the listener, the connections, the request table and the scheduler handle."""
+
+    def __init__(self, config: DaemonConfig, lifecycle: Lifecycle, tokenizer: Tokenizer,
+                 listener: socket.socket) -> None:
+        self.config = config
+        self.lifecycle = lifecycle
+        self.tokenizer = tokenizer
+        self.listener = listener
+        self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
+            m.ClientMessage, config.max_frame_bytes)
+        self.table = RequestTable()
+        self.connections: dict[int, Connection] = {}
+        self.state = State.STARTING
+        self.started = time.monotonic()
+        self.code_version = provenance.code_version()
+        self.ready: m.Ready | None = None
+        self.scheduler_stage = "spawn"
+        self.last_progress = time.monotonic()
+        self.last_watchdog = 0.0
+        self.last_extend = time.monotonic()
+        self.is_hung = False
+        self.is_stopping = False
+        self.exit_code: int | None = None
+        self.counters: Counter[str] = Counter()
+        self._next_connection_id = 0
+        self._next_request_number = 0
+        self._next_query_id = 0
+        self._queries: dict[int, asyncio.Future[m.QueryReply]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._done = asyncio.Event()
+        self.scheduler = SchedulerHandle(config.engine, config.runtime_base_dir)
+        log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
+                  pid=self.scheduler.pid, code_version=self.code_version)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until drained or failed; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        server = await asyncio.start_unix_server(self._on_connection, sock=self.listener)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        self.scheduler.watch_exit(self._on_scheduler_exit)
+        self.lifecycle.starting("scheduler: spawn")
+        background = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
+        await self._done.wait()
+        server.close()
+        for connection in list(self.connections.values()):
+            connection.close("daemon exiting")
+        await asyncio.sleep(0.05)  # let the transports flush their last frames
+        for task in background + list(self._tasks):
+            task.cancel()
+        self.scheduler.close()
+        return self.exit_code if self.exit_code is not None else EXIT_SOFTWARE
+
+    def _finish_run(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+        self._done.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.state is State.DRAINING:
+            log_event(log, logging.WARNING, "signal", f"{name} again: ending the drain now")
+            self._drain_expired()
+            return
+        self.begin_drain(self.config.drain_timeout_s, f"{name} received")
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._check_health(time.monotonic())
+
+    def _check_health(self, now: float) -> None:
+        if self.state is State.STARTING:
+            elapsed = now - self.started
+            if elapsed > self.config.startup_timeout_s:
+                self._fail(EXIT_SCHEDULER_FAILED,
+                           f"scheduler sent no Ready within {self.config.startup_timeout_s:g} s "
+                           f"(stage {self.scheduler_stage})")
+            elif now - self.last_extend > STARTUP_EXTEND_S / 3:
+                self.last_extend = now
+                self.lifecycle.still_starting(f"scheduler: {self.scheduler_stage}", elapsed)
+            return
+        if self.state is State.FAILED:
+            return
+        is_stalled = len(self.table) > 0 and now - self.last_progress > self.config.hang_timeout_s
+        if is_stalled and not self.is_hung:
+            self.is_hung = True
+            self._spawn(self._on_hang(now - self.last_progress))
+        interval = self.lifecycle.watchdog_interval
+        if interval is not None and now - self.last_watchdog >= interval:
+            self.last_watchdog = now
+            self.lifecycle.alive(not is_stalled, self._summary())
+
+    def _summary(self) -> str:
+        return f"{len(self.table)} open requests, {len(self.connections)} connections"
+
+    def begin_drain(self, timeout_s: float, reason: str) -> None:
+        """Stop accepting; end when the open requests are done or `timeout_s` passed."""
+        if self.state in (State.DRAINING, State.FAILED):
+            return
+        was_ready = self.state is State.READY
+        self.state = State.DRAINING
+        self.lifecycle.draining(len(self.table), timeout_s)
+        log_event(log, logging.INFO, "drain", f"draining: {reason}",
+                  open_requests=len(self.table), timeout_s=timeout_s)
+        if not was_ready:
+            self._spawn(self._stop_scheduler(graceful=False))
+        elif not self.table:
+            self._spawn(self._stop_scheduler(graceful=True))
+        else:
+            self._drain_timer = asyncio.get_running_loop().call_later(
+                timeout_s, self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        open_requests = list(self.table)
+        if open_requests:
+            log_event(log, logging.WARNING, "drain_timeout",
+                      "drain timeout: ending the requests still open",
+                      request_ids=[r.request_id for r in open_requests])
+        for request in open_requests:
+            self._end_with_error(request, "drained", "the daemon is shutting down", abort=True)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.state is State.DRAINING and not self.table and not self.is_stopping:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+            self._spawn(self._stop_scheduler(graceful=True))
+
+    async def _stop_scheduler(self, graceful: bool) -> None:
+        self.is_stopping = True
+        if graceful:
+            try:
+                self.scheduler.send(m.Shutdown())
+            except LinkSendError as exc:
+                log_event(log, logging.WARNING, "shutdown", f"could not send Shutdown: {exc}")
+        returncode = await self.scheduler.wait_exit(SHUTDOWN_WAIT_S if graceful else 0.0)
+        if returncode is None:
+            self.scheduler.kill()
+        log_event(log, logging.INFO, "stopped", "daemon stopped", scheduler_returncode=returncode)
+        self._finish_run(EXIT_OK)
+
+    def _fail(self, code: int, cause: str, traceback: str | None = None) -> None:
+        """The scheduler is gone or useless: error every open request, log once, exit."""
+        if self.state is State.FAILED or self.is_stopping:
+            return
+        self.state = State.FAILED
+        self.lifecycle.failed(cause)
+        open_requests = list(self.table)
+        log_event(log, logging.ERROR, "scheduler_failed", cause, exit_code=code,
+                  scheduler_pid=self.scheduler.pid, open_requests=len(open_requests),
+                  scheduler_traceback=traceback)
+        for request in open_requests:
+            self._end_with_error(request, "scheduler_unavailable", cause, abort=False)
+        self.scheduler.kill()
+        self._finish_run(code)
+
+    async def _on_hang(self, stalled_s: float) -> None:
+        self.scheduler.request_stack_dump()
+        await asyncio.sleep(STACK_DUMP_WAIT_S)
+        stacks = self.scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
+        self._fail(EXIT_SCHEDULER_FAILED,
+                   f"scheduler hung: no progress for {stalled_s:.1f} s with "
+                   f"{len(self.table)} open requests", traceback=stacks)
+
+    def _on_scheduler_exit(self) -> None:
+        self.scheduler.stop_watching()
+        if self.is_stopping or self.state is State.FAILED:
+            return
+        # Its last message (SchedulerFailed) may still be in transit: give it a moment.
+        asyncio.get_running_loop().call_later(EXIT_GRACE_S, self._on_scheduler_gone)
+
+    def _on_scheduler_gone(self) -> None:
+        returncode = self.scheduler.returncode
+        if returncode is not None and returncode < 0:
+            how = f"killed by {signal.Signals(-returncode).name}"
+        else:
+            how = f"exited with status {returncode}"
+        self._fail(EXIT_SCHEDULER_FAILED, f"scheduler process {self.scheduler.pid} {how} "
+                   f"(stage {self.scheduler_stage if self.state is State.STARTING else 'loop'})")
+
+    # ---- scheduler -> front ------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        while True:
+            message = await self.scheduler.receive()
+            try:
+                self._on_scheduler_message(message)
+            except Exception as exc:  # noqa: BLE001 - a front bug: report it and exit
+                log.exception("front failed handling %s", type(message).__name__)
+                self._fail(EXIT_SOFTWARE, f"front error: {exc!r}")
+
+    def _on_scheduler_message(self, message: m.FromScheduler) -> None:
+        if isinstance(message, m.StepOutput):
+            self.last_progress = time.monotonic()
+            for delta in message.deltas:
+                self._on_delta(delta)
+        elif isinstance(message, m.QueryReply):
+            future = self._queries.pop(message.query_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, m.RequestRejected):
+            request = self.table.get(message.request_id)
+            if request is not None:
+                code = "prompt_too_long" if "prompt has" in message.message else "bad_request"
+                self._end_with_error(request, code, message.message, abort=False)
+        elif isinstance(message, m.StartupStage):
+            self.scheduler_stage = message.stage
+            self.lifecycle.starting(f"scheduler: {message.stage}")
+            log_event(log, logging.INFO, "scheduler_stage", f"scheduler: {message.stage}")
+        elif isinstance(message, m.Ready):
+            self._on_ready(message)
+        elif isinstance(message, m.SchedulerFailed):
+            code = EXIT_CONFIG if self.state is State.STARTING else EXIT_SCHEDULER_FAILED
+            self._fail(code, f"scheduler failed in stage {message.stage}: {message.error}",
+                       traceback=message.traceback)
+        elif isinstance(message, m.Stopped):
+            log_event(log, logging.INFO, "scheduler_stopped", "scheduler stopped")
+
+    def _on_ready(self, ready: m.Ready) -> None:
+        if ready.code_version != self.code_version:
+            self._fail(EXIT_CONFIG, f"scheduler code version {ready.code_version} differs from "
+                       f"the front's {self.code_version}: a stale or mixed installation "
+                       f"(scheduler modules: {ready.modules.get('specd')})")
+            return
+        self.ready = ready
+        if self.state is State.STARTING:
+            self.state = State.READY
+        self.last_progress = time.monotonic()
+        log_event(log, logging.INFO, "ready", "scheduler ready", resolved=ready.resolved,
+                  warmup_s=round(ready.warmup_s, 3), scheduler_pid=ready.pid)
+        self.lifecycle.ready(f"model {ready.resolved.get('model_name')}")
+
+    def _on_delta(self, delta: m.TokenDelta) -> None:
+        request = self.table.get(delta.request_id)
+        if request is None:
+            return  # aborted while the step ran
+        text = request.detokenizer.add(delta.new_token_ids)
+        request.num_output_tokens = delta.num_output_tokens
+        if delta.new_token_ids:
+            request.num_sampling_steps += 1
+        logprobs = delta.logprobs if request.want_logprobs else []
+        if request.stream:
+            if text or delta.new_token_ids:
+                request.peer.send(m.Delta(request.client_id, text, delta.new_token_ids, logprobs))
+        else:
+            request.unsent_token_ids.extend(delta.new_token_ids)
+            request.unsent_logprobs.extend(logprobs)
+        if delta.finish_reason is not None:
+            self._finish(request, delta.finish_reason, delta)
+        elif request.detokenizer.is_stopped:
+            self._abort_in_scheduler([request.request_id])
+            self._finish(request, "stop", delta)
+
+    def _finish(self, request: OpenRequest, reason: str, delta: m.TokenDelta) -> None:
+        rest = request.detokenizer.finish()
+        steps = request.num_sampling_steps
+        request.peer.send(m.Final(
+            id=request.client_id,
+            finish_reason=reason,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_output_tokens=delta.num_output_tokens,
+            text=rest if request.stream else request.detokenizer.text,
+            token_ids=request.unsent_token_ids,
+            num_cached_tokens=delta.num_cached_tokens,
+            num_drafted=delta.num_drafted,
+            num_accepted=delta.num_accepted,
+            acceptance_length=delta.num_output_tokens / steps if steps else 0.0,
+            stop_string=request.detokenizer.stop_string,
+            logprobs=request.unsent_logprobs,
+        ))
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["output_tokens"] += delta.num_output_tokens
+        self.table.remove(request)
+        self._check_drained()
+
+    def _end_with_error(self, request: OpenRequest, code: str, message: str,
+                        abort: bool) -> None:
+        if abort:
+            self._abort_in_scheduler([request.request_id])
+        request.peer.send(m.Error(request.client_id, code, message))
+        self.counters[f"error_{code}"] += 1
+        self.table.remove(request)
+        self._check_drained()
+
+    def _abort_in_scheduler(self, request_ids: list[str]) -> None:
+        if not request_ids or self.state is State.FAILED:
+            return
+        try:
+            self.scheduler.send(m.AbortRequests(request_ids))
+        except LinkSendError as exc:
+            log_event(log, logging.ERROR, "abort_lost", f"abort not sent: {exc}",
+                      request_ids=request_ids)
+
+    # ---- clients -> front --------------------------------------------------------------
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        self._next_connection_id += 1
+        connection = Connection(self._next_connection_id, reader, writer, self.codec,
+                                self.config)
+        if len(self.connections) >= self.config.max_connections:
+            connection.send(m.Error(None, "overloaded", "too many connections"))
+            connection.close("too many connections")
+            return
+        self.connections[connection.connection_id] = connection
+        await connection.serve(self)
+
+    def on_close(self, connection: Connection, reason: str) -> None:
+        self.connections.pop(connection.connection_id, None)
+        orphans = self.table.of_connection(connection.connection_id)
+        for request in orphans:
+            self.table.remove(request)
+        if orphans:
+            ids = [r.request_id for r in orphans]
+            self._abort_in_scheduler(ids)
+            log_event(log, logging.INFO, "client_gone", f"connection closed ({reason}); "
+                      f"aborted {len(ids)} requests", connection=connection.connection_id,
+                      request_ids=ids)
+            self._check_drained()
+
+    def on_message(self, connection: Connection, message: m.ClientMessage) -> None:
+        try:
+            self._dispatch(connection, message)
+        except Exception:  # noqa: BLE001 - a handler bug must not take the server down
+            log.exception("internal error handling %s", type(message).__name__,
+                          extra={"event": "internal_error",
+                                 "connection": connection.connection_id})
+            connection.send(m.Error(message.id, "internal_error", "internal error; see the log"))
+            connection.close("internal error")
+
+    def _dispatch(self, connection: Connection, message: m.ClientMessage) -> None:
+        if isinstance(message, m.Generate):
+            try:
+                self._admit(connection, message)
+            except RequestError as exc:
+                self.counters[f"error_{exc.code}"] += 1
+                connection.send(m.Error(message.id, exc.code, str(exc)))
+        elif isinstance(message, m.Abort):
+            self._on_abort(connection, message)
+        elif isinstance(message, m.StatusQuery):
+            self._spawn(self._reply_status(connection, message.id))
+        elif isinstance(message, m.StatsQuery):
+            self._spawn(self._reply_stats(connection, message.id))
+        elif isinstance(message, m.SetSpec):
+            self._spawn(self._set_spec(connection, message))
+        elif isinstance(message, m.Drain):
+            timeout = message.timeout_s
+            if timeout is None:
+                timeout = self.config.drain_timeout_s
+            connection.send(m.Ack(message.id, f"draining {len(self.table)} requests"))
+            self.begin_drain(timeout, "drain requested by a client")
+        elif isinstance(message, m.Stop):
+            connection.send(m.Ack(message.id, f"stopping; ending {len(self.table)} requests"))
+            self.begin_drain(0.0, "stop requested by a client")
+
+    def _admit(self, connection: Connection, message: m.Generate) -> None:
+        if self.state is State.STARTING:
+            raise RequestError("starting", f"the scheduler is starting ({self.scheduler_stage})")
+        if self.state is State.DRAINING:
+            raise RequestError("shutting_down", "the daemon is draining; no new requests")
+        if self.state is State.FAILED or self.ready is None:
+            raise RequestError("scheduler_unavailable", "the scheduler is not available")
+        if self.table.find(connection.connection_id, message.id) is not None:
+            raise RequestError("duplicate_id", f"request id {message.id} is already in flight")
+        if len(self.table) >= self.config.max_pending_requests:
+            raise RequestError("overloaded", f"{len(self.table)} requests open; retry later")
+        self._check_stop_strings(message.sampling.stop)
+        prompt_ids = self._prompt_ids(message)
+        max_model_len = int(self.ready.resolved["max_model_len"])
+        if len(prompt_ids) >= max_model_len:
+            raise RequestError("prompt_too_long", f"prompt has {len(prompt_ids)} tokens; "
+                               f"this model allows at most {max_model_len - 1}")
+        self._next_request_number += 1
+        request_id = f"r{self._next_request_number}"
+        try:
+            self.scheduler.send(m.AddRequest(request_id, prompt_ids, message.sampling))
+        except LinkSendError as exc:
+            raise RequestError("overloaded", f"the scheduler's queue is full: {exc}") from exc
+        if not self.table:
+            self.last_progress = time.monotonic()  # idle time is not a stall
+        request = OpenRequest(
+            request_id, message.id, connection,
+            IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
+            message.stream, len(prompt_ids), message.sampling.logprobs > 0)
+        self.table.add(request)
+        if message.deadline_s is not None:
+            request.deadline = asyncio.get_running_loop().call_later(
+                message.deadline_s, self._on_deadline, request, message.deadline_s)
+
+    def _check_stop_strings(self, stop: tuple[str, ...]) -> None:
+        if len(stop) > self.config.max_stop_strings:
+            raise RequestError("bad_request", f"{len(stop)} stop strings; at most "
+                               f"{self.config.max_stop_strings} allowed")
+        if any(len(s) > self.config.max_stop_chars for s in stop):
+            raise RequestError("bad_request", f"a stop string is longer than "
+                               f"{self.config.max_stop_chars} characters")
+
+    def _prompt_ids(self, message: m.Generate) -> list[int]:
+        if message.prompt_token_ids is not None:
+            return message.prompt_token_ids
+        if message.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [msgspec.structs.asdict(x) for x in message.messages])
+            except TemplateError as exc:
+                raise RequestError("bad_request", f"chat template: {exc}") from exc
+        else:
+            text = message.prompt or ""
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError("bad_request", "the prompt encodes to no tokens")
+        return ids
+
+    def _on_deadline(self, request: OpenRequest, deadline_s: float) -> None:
+        if self.table.get(request.request_id) is request:
+            self._end_with_error(request, "deadline_exceeded",
+                                 f"not finished within {deadline_s:g} s", abort=True)
+
+    def _on_abort(self, connection: Connection, message: m.Abort) -> None:
+        request = self.table.find(connection.connection_id, message.target)
+        if request is None:
+            connection.send(m.Error(message.id, "not_found",
+                                    f"no request {message.target} in flight"))
+            return
+        self._abort_in_scheduler([request.request_id])
+        delta = m.TokenDelta(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens)
+        self._finish(request, "abort", delta)
+        connection.send(m.Ack(message.id, f"aborted {message.target}"))
+
+    # ---- queries -----------------------------------------------------------------------
+
+    async def _query(self, make: Any) -> m.QueryReply:
+        """Send `make(query_id)` to the scheduler and wait for its QueryReply."""
+        self._next_query_id += 1
+        query_id = self._next_query_id
+        future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        try:
+            self.scheduler.send(make(query_id))
+            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+        finally:
+            self._queries.pop(query_id, None)
+
+    async def _engine_stats(self) -> dict[str, Any]:
+        if self.state is not State.READY:
+            return {}
+        try:
+            reply = await self._query(lambda q: m.QueryStats(q))
+        except (TimeoutError, LinkSendError) as exc:
+            return {"error": f"the scheduler did not answer: {exc!r}"}
+        return reply.result
+
+    async def _reply_status(self, connection: Connection, query_id: int) -> None:
+        engine = await self._engine_stats()
+        ready = self.ready
+        connection.send(m.StatusReply(
+            id=query_id,
+            state=self.state.value,
+            protocol=m.PROTOCOL_VERSION,
+            version=specd.__version__,
+            uptime_s=time.monotonic() - self.started,
+            model=str(ready.resolved.get("model_name")) if ready else str(
+                self.config.engine.model_path),
+            num_open_requests=len(self.table),
+            num_connections=len(self.connections),
+            resolved=ready.resolved if ready else {"stage": self.scheduler_stage},
+            engine=engine,
+            provenance={
+                "front": provenance.report(),
+                "scheduler": {} if ready is None else {
+                    "code_version": ready.code_version, "pid": ready.pid,
+                    "modules": ready.modules, "packages": ready.packages},
+            },
+            config=msgspec.to_builtins(self.config),
+        ))
+
+    async def _reply_stats(self, connection: Connection, query_id: int) -> None:
+        engine = await self._engine_stats()
+        stats = {"engine": engine, "front": dict(self.counters),
+                 "open_requests": len(self.table), "connections": len(self.connections)}
+        connection.send(m.StatsReply(query_id, stats))
+
+    async def _set_spec(self, connection: Connection, message: m.SetSpec) -> None:
+        if self.state is not State.READY:
+            connection.send(m.Error(message.id, self.state.value if self.state is State.STARTING
+                                    else "shutting_down", "the scheduler is not serving"))
+            return
+        try:
+            reply = await self._query(
+                lambda q: m.SetSpecMode(q, message.mode, message.threshold))
+        except (TimeoutError, LinkSendError) as exc:
+            connection.send(m.Error(message.id, "scheduler_unavailable", repr(exc)))
+            return
+        if reply.error is not None:
+            connection.send(m.Error(message.id, "bad_request", reply.error))
+            return
+        log_event(log, logging.INFO, "spec_mode", f"speculation set to {message.mode}",
+                  threshold=message.threshold)
+        connection.send(m.Ack(message.id, f"speculation {message.mode}"
+                              + (f" threshold {message.threshold}" if message.threshold else "")))

@@ -1,0 +1,54 @@
+"""Every sd_notify call the front makes, in one place (the service manager's view of us).
+
+Sequence under `Type=notify`: STATUS at each start-up stage with EXTEND_TIMEOUT while the
+scheduler loads and warms up; READY=1 once, after Ready arrived and was accepted; WATCHDOG=1
+at the watchdog interval only while the scheduler makes progress (or is idle); STOPPING=1
+when a drain begins; a last STATUS naming the failure before a failing exit.
+"""
+
+from __future__ import annotations
+
+from specd.daemon.sdnotify import Notifier
+
+STARTUP_EXTEND_S = 60.0  # each extension covers this much; sent every STARTUP_EXTEND_S / 3
+
+
+class Lifecycle:
+    """Wraps a `Notifier` with the front's events."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self.notifier = notifier
+        self.is_ready = False
+
+    @property
+    def watchdog_interval(self) -> float | None:
+        return self.notifier.watchdog_interval
+
+    def starting(self, stage: str) -> None:
+        """A start-up stage began (front or scheduler); keeps the start timeout open."""
+        self.notifier.status(f"starting: {stage}")
+        self.notifier.extend_timeout(STARTUP_EXTEND_S)
+
+    def still_starting(self, stage: str, elapsed_s: float) -> None:
+        """Periodic, while the scheduler loads or warms up."""
+        self.notifier.status(f"starting: {stage} ({elapsed_s:.0f} s)")
+        self.notifier.extend_timeout(STARTUP_EXTEND_S)
+
+    def ready(self, summary: str) -> None:
+        self.is_ready = True
+        self.notifier.status(f"serving: {summary}")
+        self.notifier.ready()
+
+    def alive(self, is_making_progress: bool, summary: str) -> None:
+        """Called every watchdog tick; pings only while the scheduler makes progress."""
+        if is_making_progress:
+            self.notifier.watchdog()
+            self.notifier.status(f"serving: {summary}")
+
+    def draining(self, num_open: int, timeout_s: float) -> None:
+        self.notifier.stopping()
+        self.notifier.status(f"draining: {num_open} requests in flight")
+        self.notifier.extend_timeout(timeout_s + STARTUP_EXTEND_S)
+
+    def failed(self, cause: str) -> None:
+        self.notifier.status(f"FAILED: {cause}")

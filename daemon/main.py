@@ -1,0 +1,218 @@
+"""`specd`: run the daemon in the foreground (front process; it starts the scheduler).
+
+Every option maps to one field: engine options to `EngineConfig` (same names, `-` for `_`),
+the rest to `DaemonConfig`. The options are generated from those dataclasses, so a new field
+is a new flag; its help text comes from the tables below. Defaults serve the embedded
+fixture model on the CPU.
+
+Exit codes: 0 clean stop (drain), 78 bad configuration or a model that cannot load,
+75 the scheduler died or hung (a service manager should restart), 70 a bug in the front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import click
+import uvloop
+
+from specd.daemon.activation import SocketInUseError, bind_unix_socket, listening_socket_from_env
+from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
+from specd.daemon.exit_codes import EXIT_CONFIG
+from specd.daemon.lifecycle import Lifecycle
+from specd.daemon.logs import log_event, setup_logging
+from specd.daemon.sdnotify import Notifier
+from specd.daemon.tokenizer import Tokenizer
+from specd.workers.config import DTYPES, SPEC_MODES, EngineConfig
+
+log = logging.getLogger("specd.main")
+
+ENGINE_HELP = {
+    "model": "Hugging Face model directory (safetensors + config.json + tokenizer.json); "
+             "default: the embedded fixture model.",
+    "device": "cpu or cuda[:N].",
+    "dtype": f"activation dtype: auto (float32 on cpu, bfloat16 on cuda) or one of {DTYPES}.",
+    "block_size": "tokens per KV-cache block (a power of two).",
+    "kv_cache_memory_bytes": "memory budget of the paged KV cache, in bytes.",
+    "num_kv_blocks": "exact number of KV blocks (overrides the memory budget).",
+    "max_num_seqs": "most sequences in one batch.",
+    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill).",
+    "max_model_len": "longest sequence (prompt + output); default: the model's maximum.",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes.",
+    "seed": "engine seed for requests without their own.",
+    "speculative_algorithm": "eagle3, or none to serve without speculation.",
+    "draft_model": "EAGLE-3 draft head directory; default: the fixture's head for the "
+                   "fixture model, none otherwise.",
+    "spec_num_steps": "draft steps per verify (tree depth).",
+    "spec_topk": "draft branching factor (1 = a chain).",
+    "spec_num_draft_tokens": "draft tokens verified per step (tree size).",
+    "spec_mode": f"speculation at start: one of {SPEC_MODES}.",
+    "spec_disable_batch_threshold": "in auto mode, speculation stops above this batch size.",
+    "extra": "KEY=VALUE engine option for experiments (repeatable).",
+}
+DAEMON_HELP = {
+    "socket_path": "Unix socket to listen on (ignored under socket activation); default "
+                   "$XDG_RUNTIME_DIR/specd/specd.sock, /run/specd/specd.sock for root.",
+    "socket_mode": "permissions of the socket file, octal.",
+    "log_format": f"log records as {LOG_FORMATS[0]} lines or {LOG_FORMATS[1]}.",
+    "log_level": f"least severe level logged: one of {LOG_LEVELS}.",
+    "max_frame_bytes": "largest client frame accepted, in bytes.",
+    "max_connections": "most client connections at once.",
+    "max_pending_requests": "most open generate requests; more are answered 'overloaded'.",
+    "idle_timeout_s": "close a connection that sends nothing for this long (seconds).",
+    "frame_timeout_s": "a started frame must complete within this (seconds).",
+    "write_buffer_bytes": "unread output per client before it is cut off (slow reader).",
+    "drain_timeout_s": "on SIGTERM or drain, how long open requests may still run.",
+    "hang_timeout_s": "a scheduler with work and no step for this long is hung: its "
+                      "stacks are logged, it is killed, the daemon exits 75.",
+    "startup_timeout_s": "the scheduler must load and warm up within this (seconds).",
+    "max_stop_strings": "most stop strings per request.",
+    "max_stop_chars": "longest stop string, in characters.",
+}
+FLAG_NAMES = {"socket_path": "socket"}
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(type without None, whether None is allowed)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _option(name: str, annotation: Any, default: Any, help_text: str) -> Any:
+    flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
+    base, optional = _base_type(annotation)
+    shown = "" if default is None else f" [default: {default}]"
+    if base is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=None,
+                            help=help_text + shown)
+    if typing.get_origin(base) is dict:
+        return click.option(flag, name, multiple=True, metavar="KEY=VALUE", help=help_text)
+    if name == "socket_mode":
+        return click.option(flag, name, default=None, metavar="OCTAL", help=help_text
+                            + f" [default: {default:o}]")
+    click_type, metavar = {int: (int, "INTEGER"), float: (float, "SECONDS"),
+                           Path: (click.Path(path_type=Path), "PATH")}.get(base, (str, "TEXT"))
+    if optional and base is str:
+        metavar += "|none"
+    return click.option(flag, name, type=click_type, default=None, metavar=metavar,
+                        help=help_text + shown)
+
+
+def _defaults(cls: Any) -> dict[str, Any]:
+    instance = cls()
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(cls)}
+
+
+def _add_options(command: Any) -> Any:
+    for cls, table in ((EngineConfig, ENGINE_HELP), (DaemonConfig, DAEMON_HELP)):
+        hints = typing.get_type_hints(cls)
+        defaults = _defaults(cls)
+        for field in reversed(dataclasses.fields(cls)):
+            if field.name == "engine":
+                continue
+            help_text = table.get(field.name, f"{cls.__name__}.{field.name}")
+            command = _option(field.name, hints[field.name], defaults[field.name],
+                              help_text)(command)
+    return command
+
+
+def build_config(options: dict[str, Any]) -> DaemonConfig:
+    """DaemonConfig from parsed CLI options (None = default). ValueError names the option."""
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine: dict[str, Any] = {}
+    daemon: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None or value == ():
+            continue
+        if name == "extra":
+            value = dict(_key_value(v) for v in value)
+        elif name == "socket_mode":
+            value = _octal(value)
+        elif isinstance(value, str) and value.lower() == "none":
+            value = None
+        (engine if name in engine_names else daemon)[name] = value
+    return DaemonConfig(engine=EngineConfig(**engine), **daemon)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--extra expects KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _octal(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError as exc:
+        raise ValueError(f"--socket-mode expects an octal mode like 660, got {text!r}") from exc
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Start the front (which starts the scheduler) and serve until stopped."""
+    from specd.daemon.front import Front  # after logging is set up
+
+    lifecycle = Lifecycle(Notifier.from_env())
+    lifecycle.starting("tokenizer")
+    try:
+        tokenizer = Tokenizer.from_dir(config.engine.model_path)
+    except (OSError, ValueError) as exc:
+        return _config_failure(lifecycle, f"cannot load the tokenizer: {exc}")
+    lifecycle.starting("socket")
+    try:
+        listener = listening_socket_from_env()
+        owns_path = listener is None
+        if listener is None:
+            config.socket_dir.mkdir(parents=True, exist_ok=True)
+            listener = bind_unix_socket(str(config.socket_path), config.socket_mode)
+    except (OSError, ValueError, SocketInUseError) as exc:
+        return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
+
+    async def serve() -> int:
+        return await Front(config, lifecycle, tokenizer, listener).run()
+
+    try:
+        code = uvloop.run(serve())
+    finally:
+        listener.close()
+        if owns_path:
+            config.socket_path.unlink(missing_ok=True)
+    log_event(log, logging.INFO, "exit", f"specd exits with status {code}", exit_code=code)
+    return code
+
+
+def _config_failure(lifecycle: Lifecycle, cause: str) -> int:
+    lifecycle.failed(cause)
+    log_event(log, logging.ERROR, "config_error", cause, exit_code=EXIT_CONFIG)
+    return EXIT_CONFIG
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"],
+                                 "max_content_width": 100})
+@_add_options
+def main(**options: Any) -> None:
+    """Serve a model with EAGLE-3 speculative decoding on a Unix socket (foreground).
+
+    Exit status: 0 after a clean stop (SIGTERM drains in-flight requests first), 78 for a
+    bad configuration or a model that cannot load (do not restart), 75 when the scheduler
+    process died or hung (restart), 70 for an internal error.
+    """
+    try:
+        config = build_config(options)
+    except (ValueError, TypeError) as exc:
+        click.echo(f"specd: invalid configuration: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    setup_logging(config.log_format, config.log_level)
+    sys.exit(run_daemon(config))
+
+
+if __name__ == "__main__":
+    main()

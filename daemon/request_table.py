@@ -1,0 +1,86 @@
+"""The front's table of open generate requests, by scheduler request id and by connection.
+
+A request is open from the moment its AddRequest is sent until its Final or Error frame is
+written; the scheduler may still send output for a request after it left the table (an abort
+crosses a step in flight), and such output is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from specd.daemon.detokenizer import IncrementalDetokenizer
+from specd.ipc import messages as m
+
+
+class Peer(Protocol):
+    """The connection a request answers to (daemon.server.Connection)."""
+
+    connection_id: int
+
+    def send(self, message: m.ServerMessage) -> None: ...
+
+
+class OpenRequest:
+    """One in-flight generate request: where its output goes and what has been produced."""
+
+    def __init__(self, request_id: str, client_id: int, peer: Peer,
+                 detokenizer: IncrementalDetokenizer, stream: bool, num_prompt_tokens: int,
+                 want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.peer = peer
+        self.detokenizer = detokenizer
+        self.stream = stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.want_logprobs = want_logprobs
+        self.started = time.monotonic()
+        self.deadline: asyncio.TimerHandle | None = None
+        # Output not yet sent to the client (all of it when not streaming).
+        self.unsent_token_ids: list[int] = []
+        self.unsent_logprobs: list[m.Logprob] = []
+        self.num_output_tokens = 0
+        self.num_sampling_steps = 0  # steps that gave this request tokens (acceptance length)
+
+
+class RequestTable:
+    """Open requests; `len()` is what admission control counts."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, OpenRequest] = {}
+        self._by_peer: dict[int, dict[int, OpenRequest]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[OpenRequest]:
+        return iter(list(self._by_id.values()))
+
+    def add(self, request: OpenRequest) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"request id {request.request_id} is already open")
+        self._by_id[request.request_id] = request
+        self._by_peer.setdefault(request.peer.connection_id, {})[request.client_id] = request
+
+    def get(self, request_id: str) -> OpenRequest | None:
+        return self._by_id.get(request_id)
+
+    def find(self, connection_id: int, client_id: int) -> OpenRequest | None:
+        return self._by_peer.get(connection_id, {}).get(client_id)
+
+    def of_connection(self, connection_id: int) -> list[OpenRequest]:
+        return list(self._by_peer.get(connection_id, {}).values())
+
+    def remove(self, request: OpenRequest) -> None:
+        """Forget `request` (idempotent) and cancel its deadline timer."""
+        if self._by_id.pop(request.request_id, None) is None:
+            return
+        peer_requests = self._by_peer.get(request.peer.connection_id, {})
+        peer_requests.pop(request.client_id, None)
+        if not peer_requests:
+            self._by_peer.pop(request.peer.connection_id, None)
+        if request.deadline is not None:
+            request.deadline.cancel()

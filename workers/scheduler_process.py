@@ -1,0 +1,224 @@
+"""The scheduler process: owns torch and the device, runs the engine loop.
+
+Started by the front (`python -P -m specd.workers.scheduler_process ...`), never by hand.
+Start-up is a handshake: it reports each stage (`StartupStage`), builds the `EngineCore`,
+warms it up, then sends `Ready` with what it resolved, its code version and the files it
+imported. A stage that raises sends `SchedulerFailed` (stage + traceback) and the process
+waits for the front to end it, so the message is never lost to an early exit.
+
+The loop is `receive -> step -> send`: messages from the front arrive on an IO thread
+(`LinkIO`), each engine step (`EngineCore.step`: schedule -> run -> update) produces one
+`StepOutput`, which the send thread encodes. A step runs whenever the engine has work; with
+none, the loop blocks on the inbox.
+
+Signals: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C or a control-group SIGTERM
+must not kill the scheduler under a draining front); the front stops it with `Shutdown`,
+and if the front dies, PR_SET_PDEATHSIG kills it. SIGUSR1 dumps every thread's stack to
+`LinkPaths.stack_dump_file` (the front's hang watchdog asks for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import faulthandler
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from specd.daemon import provenance
+from specd.ipc import messages as m
+from specd.ipc.zmq_link import LinkPaths
+from specd.workers.config import EngineConfig
+from specd.workers.io_threads import LinkFailure, LinkIO
+
+if TYPE_CHECKING:
+    from specd.workers.engine import EngineCore, RequestDelta
+
+PR_SET_PDEATHSIG = 1
+EXIT_STARTUP_FAILED = 78
+EXIT_LOOP_FAILED = 75
+FAILED_WAIT_S = 30.0  # after SchedulerFailed, how long to wait for the front to end us
+
+
+class LinkBroken(RuntimeError):
+    """An IO thread failed; raised in the engine loop."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the front dies (prctl(2)); exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died between fork and prctl: then we were re-parented already.
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_LOOP_FAILED)
+
+
+def token_delta(delta: RequestDelta) -> m.TokenDelta:
+    return m.TokenDelta(
+        request_id=delta.request_id,
+        new_token_ids=delta.new_token_ids,
+        finish_reason=delta.finish_reason,
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_output_tokens=delta.num_output_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        num_drafted=delta.num_drafted,
+        num_accepted=delta.num_accepted,
+        logprobs=[m.Logprob(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in delta.logprobs],
+    )
+
+
+class EngineLoop:
+    """Feeds front messages to the engine and engine steps to the front."""
+
+    def __init__(self, core: EngineCore, io: LinkIO) -> None:
+        self.core = core
+        self.io = io
+        self.num_steps = 0
+        self.is_stopping = False
+
+    def run(self) -> None:
+        """Until Shutdown: handle every waiting message, then run one step if there is work."""
+        while not self.is_stopping:
+            for message in self.io.receive_all(block=not self.core.has_unfinished()):
+                self.handle(message)
+            if self.core.has_unfinished() and not self.is_stopping:
+                deltas = self.core.step()
+                self.num_steps += 1
+                self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas]))
+        self.io.send(m.Stopped())
+
+    def handle(self, message: m.ToScheduler | LinkFailure) -> None:
+        if isinstance(message, LinkFailure):
+            raise LinkBroken(f"{message.thread}: {message.error}\n{message.traceback}")
+        if isinstance(message, m.AddRequest):
+            try:
+                self.core.add_request(
+                    message.request_id, message.prompt_token_ids, message.sampling)
+            except ValueError as exc:
+                self.io.send(m.RequestRejected(message.request_id, str(exc)))
+        elif isinstance(message, m.AbortRequests):
+            for request_id in message.request_ids:
+                self.core.abort_request(request_id)
+        elif isinstance(message, m.SetSpecMode):
+            self._set_spec_mode(message)
+        elif isinstance(message, m.QueryStats):
+            stats = dataclasses.asdict(self.core.stats())
+            self.io.send(m.QueryReply(message.query_id, stats))
+        elif isinstance(message, m.Shutdown):
+            self.is_stopping = True
+
+    def _set_spec_mode(self, message: m.SetSpecMode) -> None:
+        try:
+            self.core.set_spec_mode(message.mode, message.threshold)
+        except ValueError as exc:
+            self.io.send(m.QueryReply(message.query_id, {}, error=str(exc)))
+            return
+        stats = dataclasses.asdict(self.core.stats())
+        self.io.send(m.QueryReply(message.query_id, stats))
+
+
+def start_engine(config_json: str, io: LinkIO) -> EngineCore:
+    """Stages config -> import -> load -> warmup -> ready. Raises StageError naming the
+    stage that failed."""
+    stage = "config"
+    try:
+        config = engine_config_from_json(config_json)
+        stage = "import"
+        io.send(m.StartupStage(stage))
+        from specd.workers.engine import EngineCore
+
+        stage = "load"
+        io.send(m.StartupStage(stage))
+        core = EngineCore(config)
+        stage = "warmup"
+        io.send(m.StartupStage(stage))
+        started = time.monotonic()
+        core.warmup()
+        warmup_s = time.monotonic() - started
+        stage = "ready"
+        io.send(m.Ready(
+            resolved=msgspec.to_builtins(dataclasses.asdict(core.resolved)),
+            code_version=provenance.code_version(),
+            modules=provenance.imported_modules(),
+            packages=provenance.package_versions(),
+            pid=os.getpid(),
+            warmup_s=warmup_s,
+        ))
+    except Exception as exc:
+        raise StageError(stage, exc) from exc
+    return core
+
+
+class StageError(Exception):
+    """`stage` raised `error`; the traceback is the chained exception's."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"scheduler stage {stage!r} failed: {error!r}")
+        self.stage = stage
+        self.error = error
+
+
+def run(config_json: str, paths: LinkPaths) -> int:
+    """The whole process after set-up; returns the exit code."""
+    io = LinkIO(paths)
+    io.start()
+    stage = "startup"
+    try:
+        core = start_engine(config_json, io)
+        stage = "loop"
+        EngineLoop(core, io).run()
+    except StageError as exc:
+        return fail(io, exc.stage, exc.error, EXIT_STARTUP_FAILED)
+    except Exception as exc:  # noqa: BLE001 - any loop failure is reported, then we exit
+        return fail(io, stage, exc, EXIT_LOOP_FAILED)
+    io.close()
+    return 0
+
+
+def fail(io: LinkIO, stage: str, error: BaseException, code: int) -> int:
+    """Report the failure to the front (and stderr), then wait for the front to end us."""
+    text = "".join(traceback.format_exception(error))
+    print(f"specd scheduler: stage {stage} failed\n{text}", file=sys.stderr, flush=True)
+    io.send(m.SchedulerFailed(stage=stage, error=repr(error), traceback=text))
+    # The front kills us once it has the message; exiting first could lose it in transit.
+    time.sleep(FAILED_WAIT_S)
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="specd scheduler process (started by specd)")
+    parser.add_argument("--link-dir", type=Path, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    paths = LinkPaths(args.link_dir)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    with open(paths.stack_dump_file, "w") as dump:
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+        code = run(args.engine_config, paths)
+    sys.stderr.flush()
+    os._exit(code)  # daemon IO threads may sit in a ZeroMQ call; do not wait for them
+
+
+def engine_config_from_json(text: str) -> EngineConfig:
+    return msgspec.json.decode(text, type=EngineConfig)
+
+
+def engine_config_to_json(config: EngineConfig) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+if __name__ == "__main__":
+    main()
