@@ -189,6 +189,7 @@ def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Ten
     key_pos = torch.arange(max_blocks * block_size)  # [S_pad]
     # Key j relative to the first query key of its sequence: < 0 is prefix, [0, T) is new.
     rel = key_pos[None, None, :] - (s_lens - t)[:, None, None]  # [G, 1, S_pad]
+    # Both rules stop at rel < T, i.e. key_pos < S: padding keys are never visible.
     row = torch.arange(t)[None, :, None]  # [1, T, 1]
     if tree_mask is None:
         mask = rel <= row  # [G, T, S_pad]
@@ -196,7 +197,6 @@ def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Ten
         bits = tree_mask.cpu()[rows].view(len(seqs), t, 1)  # [G, T, 1]
         new_key_seen = ((bits >> rel.clamp(0, t - 1)) & 1).bool()
         mask = (rel < 0) | ((rel < t) & new_key_seen)
-    mask = mask & (key_pos[None, None, :] < s_lens[:, None, None])
     is_all_rows = len(seqs) * t == num_rows and bool(
         (rows == torch.arange(num_rows)).all())
     return QueryGroup(rows=rows, key_blocks=key_blocks, mask=mask[:, None], num_seqs=len(seqs),
