@@ -128,7 +128,7 @@ def paged_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: Attenti
 
         return tree_attention(q, kv_cache_layer[0], kv_cache_layer[1], meta.block_tables,
                               meta.seq_lens, meta.query_start_loc, meta.tree_mask, scale,
-                              meta.max_query_len)
+                              meta.max_query_len, max_seq_len=meta.max_seq_len)
     return paged_attention_cpu(q, kv_cache_layer, meta, scale)
 
 

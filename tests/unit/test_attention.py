@@ -105,3 +105,18 @@ def test_inconsistent_lengths_are_rejected(query_lens: list[int], seq_lens: list
                                            tables: list[list[int]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU)
+
+
+def test_cpu_path_agrees_with_the_kernel_reference() -> None:
+    """The CPU path and the Triton kernel's pure-torch reference implement one contract."""
+    tree_attention = pytest.importorskip("specd.kernels.tree_attention")
+    query_lens, seq_lens = [4, 1, 6], [10, 7, 6]
+    mask = torch.tensor([0b0001, 0b0011, 0b0101, 0b1011, 1] + [(1 << (i + 1)) - 1
+                                                              for i in range(6)])
+    q, cache, tables = random_case(query_lens, seq_lens, seed=2)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU, mask)
+    expected = tree_attention.tree_attention_ref(
+        q, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        meta.tree_mask, 0.3, meta.max_query_len)
+    torch.testing.assert_close(paged_attention(q, cache, meta, 0.3), expected, atol=1e-5,
+                               rtol=0)
