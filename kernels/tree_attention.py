@@ -104,6 +104,35 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, pos, valid, kvh, offs_d, stride_b, stri
 
 
 @triton.jit
+def _attend_keys(q, t, bits, m_i, l_i, acc, k_ptr, v_ptr, bt_row, lo, hi, prefix, kvh, offs_d,
+                 block_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                 stride_vh, stride_vd, sm_scale_log2, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NEW_KEYS: tl.constexpr, HAS_TREE_MASK: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    """Fold keys [lo, hi) into the online softmax. NEW_KEYS: they are this step's keys (index
+    j = pos - prefix), seen per the causal rule (j <= t) or the row's tree bits."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        visible = tl.broadcast_to(valid[None, :], (BLOCK_M, BLOCK_N))
+        if NEW_KEYS:
+            j = pos - prefix
+            if HAS_TREE_MASK:
+                jj = tl.minimum(j, 63).to(tl.int64)
+                visible = visible & (((bits[:, None] >> jj[None, :]) & 1) != 0)
+            else:
+                visible = visible & (j[None, :] <= t[:, None])
+        k = _load_kv_tile(k_ptr, bt_row, pos, valid, kvh, offs_d, stride_kb, stride_ks,
+                          stride_kh, stride_kd, block_size)
+        v = _load_kv_tile(v_ptr, bt_row, pos, valid, kvh, offs_d, stride_vb, stride_vs,
+                          stride_vh, stride_vd, block_size)
+        qk = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), EMULATE)
+        m_i, l_i, acc = _online_softmax_step(qk * sm_scale_log2, visible, v, m_i, l_i, acc,
+                                             EMULATE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, mask_ptr, out_ptr, lse_ptr,
         sm_scale_log2, num_m_blocks, block_size,
@@ -113,6 +142,7 @@ def _tree_attention_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE_MASK: tl.constexpr,
         EMULATE: tl.constexpr):
+    """Grid (B, num_kv_heads * num_m_blocks, NUM_SPLITS); see the module docstring."""
     b = tl.program_id(0)
     kvh = tl.program_id(1) // num_m_blocks
     row0 = (tl.program_id(1) % num_m_blocks) * BLOCK_M
@@ -130,48 +160,30 @@ def _tree_attention_kernel(
         q_rows = (q_start + t).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        bits = tl.zeros([BLOCK_M], tl.int64)
+        if HAS_TREE_MASK:
+            bits = tl.load(mask_ptr + q_rows, mask=row_ok, other=0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-        # Prefix keys of this split: every row sees them all.
+        # This split's share of the prefix, which every row sees whole.
         chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
-        hi = tl.minimum(prefix, lo + chunk)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            valid = pos < hi
-            k = _load_kv_tile(k_ptr, bt_row, pos, valid, kvh, offs_d, stride_kb, stride_ks,
-                              stride_kh, stride_kd, block_size)
-            v = _load_kv_tile(v_ptr, bt_row, pos, valid, kvh, offs_d, stride_vb, stride_vs,
-                              stride_vh, stride_vd, block_size)
-            qk = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), EMULATE)
-            m_i, l_i, acc = _online_softmax_step(qk * sm_scale_log2, valid[None, :], v, m_i,
-                                                 l_i, acc, EMULATE)
-        # The T new keys, masked, in the last split only.
-        if split == NUM_SPLITS - 1:
-            if HAS_TREE_MASK:
-                bits = tl.load(mask_ptr + q_rows, mask=row_ok, other=0)  # [BM] int64
-                new_hi = seq_len
-            else:
-                last_t = tl.minimum(num_q - 1, (row0 + BLOCK_M - 1) // GROUP)
-                new_hi = prefix + last_t + 1
-            for start in range(prefix, new_hi, BLOCK_N):
-                pos = start + tl.arange(0, BLOCK_N)
-                valid = pos < new_hi
-                j = pos - prefix  # index among the new keys
-                if HAS_TREE_MASK:
-                    jj = tl.minimum(j, 63).to(tl.int64)
-                    seen = ((bits[:, None] >> jj[None, :]) & 1) != 0
-                else:
-                    seen = j[None, :] <= t[:, None]
-                k = _load_kv_tile(k_ptr, bt_row, pos, valid, kvh, offs_d, stride_kb,
-                                  stride_ks, stride_kh, stride_kd, block_size)
-                v = _load_kv_tile(v_ptr, bt_row, pos, valid, kvh, offs_d, stride_vb,
-                                  stride_vs, stride_vh, stride_vd, block_size)
-                qk = dot_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), EMULATE)
-                m_i, l_i, acc = _online_softmax_step(qk * sm_scale_log2, valid[None, :] & seen,
-                                                     v, m_i, l_i, acc, EMULATE)
+        m_i, l_i, acc = _attend_keys(
+            q, t, bits, m_i, l_i, acc, k_ptr, v_ptr, bt_row, lo, tl.minimum(prefix, lo + chunk),
+            prefix, kvh, offs_d, block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, sm_scale_log2, BLOCK_M, BLOCK_N,
+            False, HAS_TREE_MASK, EMULATE)
+        if split == NUM_SPLITS - 1:  # the T new keys, masked; causal rows stop at their own
+            new_hi = seq_len
+            if not HAS_TREE_MASK:
+                new_hi = prefix + tl.minimum(num_q - 1, (row0 + BLOCK_M - 1) // GROUP) + 1
+            m_i, l_i, acc = _attend_keys(
+                q, t, bits, m_i, l_i, acc, k_ptr, v_ptr, bt_row, prefix, new_hi, prefix, kvh,
+                offs_d, block_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                stride_vs, stride_vh, stride_vd, sm_scale_log2, BLOCK_M, BLOCK_N, True,
+                HAS_TREE_MASK, EMULATE)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw nothing stay 0
         o_ptrs = (out_ptr + split * stride_os + q_rows[:, None] * stride_on
                   + head[:, None] * stride_oh + offs_d[None, :] * stride_od)
