@@ -108,6 +108,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step; sample one token for each sequence whose step reaches its end."""
+        if batch.is_empty:
+            return ModelOutput(sampled={})
         drafted = [s.seq.request_id for s in batch.scheduled if s.seq.spec_token_ids]
         if drafted:
             raise ValueError(f"execute runs plain steps; requests {drafted} carry draft tokens "
