@@ -54,9 +54,11 @@ def unit_quote(word: str) -> str:
     return f'"{escaped}"'
 
 
-def env_args(draft: Path | None, extra_args: str) -> str:
-    """SPECD_ARGS: systemd splits it on whitespace, so no value may contain any."""
-    words = ["--draft", str(draft)] if draft is not None else []
+def env_args(device: str, draft: Path | None, extra_args: str) -> str:
+    """SPECD_ARGS: systemd splits it on whitespace, so no value may contain any. JSON logs
+    keep each event (a traceback included) in one journal record."""
+    words = ["--device", device, "--log-format", "json"]
+    words += ["--draft-model", str(draft)] if draft is not None else []
     words += extra_args.split()
     for word in words:
         if not word or any(c.isspace() for c in word) or '"' in word or "'" in word:
@@ -65,7 +67,7 @@ def env_args(draft: Path | None, extra_args: str) -> str:
 
 
 def render(
-    model: Path, draft: Path | None, user: str, specd_bin: Path, extra_args: str,
+    model: Path, draft: Path | None, device: str, user: str, specd_bin: Path, extra_args: str,
     unit_dir: Path, env_dir: Path, templates: Path,
 ) -> list[InstallFile]:
     """The units and the environment file, rendered for these paths and this user."""
@@ -84,7 +86,7 @@ def render(
         raise click.BadParameter(f"{model}: the model path may not contain whitespace or quotes")
     env = (templates / "specd.env").read_text()
     env = set_key(env, "SPECD_MODEL", str(model))
-    env = set_key(env, "SPECD_ARGS", env_args(draft, extra_args))
+    env = set_key(env, "SPECD_ARGS", env_args(device, draft, extra_args))
     return [
         InstallFile(unit_dir / "specd.service", service),
         InstallFile(unit_dir / "specd.socket", socket_unit),
@@ -151,6 +153,7 @@ def next_steps(files: list[InstallFile], user: str) -> list[str]:
               resolve_path=True, path_type=Path), help="Target model directory.")
 @click.option("--draft", type=click.Path(exists=True, file_okay=False, resolve_path=True,
               path_type=Path), help="EAGLE-3 draft head directory.")
+@click.option("--device", default="cuda", show_default=True, help="Device for the scheduler.")
 @click.option("--user", default=TEMPLATE_USER, show_default=True,
               help="User (and group) the service runs as; clients join this group.")
 @click.option("--specd-bin", type=click.Path(dir_okay=False, path_type=Path),
@@ -167,7 +170,8 @@ def next_steps(files: list[InstallFile], user: str) -> list[str]:
 @click.option("--force", is_flag=True, help="Replace existing files with other contents.")
 @click.option("--dry-run", is_flag=True, help="Print the files and commands; write nothing.")
 def install_service(
-    model: Path, draft: Path | None, user: str, specd_bin: Path, extra_args: str, prefix: Path,
+    model: Path, draft: Path | None, device: str, user: str, specd_bin: Path, extra_args: str,
+    prefix: Path,
     unit_dir: Path, env_dir: Path, sysusers_dir: Path, templates: Path, force: bool,
     dry_run: bool,
 ) -> None:
@@ -178,7 +182,8 @@ def install_service(
             raise click.BadParameter(f"{path} is not absolute", param_hint=name)
     if not specd_bin.exists():
         click.echo(f"warning: {specd_bin} does not exist (yet); ExecStart will fail", err=True)
-    files = render(model, draft, user, specd_bin, extra_args, unit_dir, env_dir, templates)
+    files = render(model, draft, device, user, specd_bin, extra_args, unit_dir, env_dir,
+                   templates)
     files += extra_files(user, [model, specd_bin] + ([draft] if draft else []), unit_dir,
                          sysusers_dir)
     for f in files:

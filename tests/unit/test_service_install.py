@@ -34,7 +34,7 @@ def read(paths: dict[str, Path], real_path: str) -> str:
 
 def test_writes_units_and_env_for_the_model(paths: dict[str, Path]) -> None:
     result = run(paths, "--draft", str(paths["draft"]), "--user", "root",
-                 "--extra-args", "--max-batch 8")
+                 "--extra-args", "--max-num-seqs 8")
     assert result.exit_code == 0, result.output
     service = read(paths, "/etc/systemd/system/specd.service")
     assert f"ExecStart={paths['bin']} --model ${{SPECD_MODEL}}" in service
@@ -45,7 +45,8 @@ def test_writes_units_and_env_for_the_model(paths: dict[str, Path]) -> None:
     assert "\nSocketUser=root\n" in socket_unit and "\nSocketGroup=root\n" in socket_unit
     env = read(paths, "/etc/specd/specd.env")
     assert f"\nSPECD_MODEL={paths['model']}\n" in env
-    assert f"\nSPECD_ARGS=--draft {paths['draft']} --max-batch 8\n" in env
+    assert (f"\nSPECD_ARGS=--device cuda --log-format json --draft-model {paths['draft']} "
+            "--max-num-seqs 8\n") in env
     # root exists, so no sysusers.d entry; the paths are not under /home, so no drop-in.
     assert not (paths["root"] / "etc" / "sysusers.d").exists()
     assert not (paths["root"] / "etc/systemd/system/specd.service.d").exists()
