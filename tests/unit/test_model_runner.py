@@ -13,7 +13,7 @@ from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import EngineConfig
 from specd.workers.kv_cache import kv_block_bytes
-from specd.workers.model_runner import ModelRunner
+from specd.workers.model_runner import ModelRunner, prepare_inputs
 from specd.workers.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
@@ -33,8 +33,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_runner(model_dir: Path, **options: object) -> ModelRunner:
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE,
-                          **{"num_kv_blocks": 32, **options})
+    defaults: dict[str, object] = {"dtype": "float32", "num_kv_blocks": 32}
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE,
+                          **(defaults | options))
     return ModelRunner(config)
 
 
@@ -128,3 +129,22 @@ def test_capture_layers_must_be_ascending_and_in_range(model_dir: Path,
     config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=8)
     with pytest.raises(ValueError, match=r"capture_layers must be strictly ascending .*\[0, 2\]"):
         ModelRunner(config, capture_layers=layers)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(model_dir: Path, dtype: str) -> None:
+    """Half-precision weights, activations and KV cache; logits within what 8 (bf16) or 11
+    (fp16) mantissa bits allow of the fp32 run: 5% of the logits' spread."""
+    def logits(runner: ModelRunner) -> torch.Tensor:
+        seq = Sequence("a", list(range(1, 14)), SamplingParams())
+        seq.block_ids = [3, 0, 2, 1]
+        with torch.inference_mode():
+            inputs = prepare_inputs(ScheduledBatch([ScheduledSequence(seq, 13)]), BLOCK_SIZE,
+                                    runner.device)
+            return runner.model.compute_logits(runner.forward(inputs)).float()
+
+    half = make_runner(model_dir, dtype=dtype)
+    assert {p.dtype for p in half.model.parameters()} == {getattr(torch, dtype)}
+    assert half.kv_caches[0].dtype == getattr(torch, dtype)
+    full = logits(make_runner(model_dir))
+    torch.testing.assert_close(logits(half), full, atol=0.05 * float(full.std()), rtol=0)
