@@ -411,11 +411,13 @@ class Front:
         elif isinstance(message, m.Abort):
             self._on_abort(connection, message)
         elif isinstance(message, m.StatusQuery):
-            self._spawn(self._reply_status(connection, message.id))
+            self._spawn(self._guarded(connection, message.id,
+                                      self._reply_status(connection, message.id)))
         elif isinstance(message, m.StatsQuery):
-            self._spawn(self._reply_stats(connection, message.id))
+            self._spawn(self._guarded(connection, message.id,
+                                      self._reply_stats(connection, message.id)))
         elif isinstance(message, m.SetSpec):
-            self._spawn(self._set_spec(connection, message))
+            self._spawn(self._guarded(connection, message.id, self._set_spec(connection, message)))
         elif isinstance(message, m.Drain):
             timeout = message.timeout_s
             if timeout is None:
@@ -501,6 +503,17 @@ class Front:
         self._finish(request, "abort", delta)
         connection.send(m.Ack(message.id, f"aborted {message.target}"))
 
+    async def _guarded(self, connection: Connection, client_id: int,
+                       coro: Coroutine[Any, Any, None]) -> None:
+        """Run a query handler; a bug in it answers internal_error instead of vanishing."""
+        try:
+            await coro
+        except Exception:  # noqa: BLE001 - reported to the client and the log
+            log.exception("internal error answering request %d", client_id,
+                          extra={"event": "internal_error",
+                                 "connection": connection.connection_id})
+            connection.send(m.Error(client_id, "internal_error", "internal error; see the log"))
+
     # ---- queries -----------------------------------------------------------------------
 
     async def _query(self, make: Any) -> m.QueryReply:
@@ -545,7 +558,7 @@ class Front:
                     "code_version": ready.code_version, "pid": ready.pid,
                     "modules": ready.modules, "packages": ready.packages},
             },
-            config=msgspec.to_builtins(self.config),
+            config=msgspec.to_builtins(self.config, enc_hook=str),
         ))
 
     async def _reply_stats(self, connection: Connection, query_id: int) -> None:

@@ -187,10 +187,11 @@ def run(config_json: str, paths: LinkPaths) -> int:
 def fail(io: LinkIO, stage: str, error: BaseException, code: int) -> int:
     """Report the failure to the front (and stderr), then wait for the front to end us."""
     text = "".join(traceback.format_exception(error))
-    print(f"specd scheduler: stage {stage} failed\n{text}", file=sys.stderr, flush=True)
+    # The front logs it (one record); stderr gets it only if the front never does.
     io.send(m.SchedulerFailed(stage=stage, error=repr(error), traceback=text))
     # The front kills us once it has the message; exiting first could lose it in transit.
     time.sleep(FAILED_WAIT_S)
+    print(f"specd scheduler: stage {stage} failed\n{text}", file=sys.stderr, flush=True)
     return code
 
 
