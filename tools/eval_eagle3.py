@@ -80,13 +80,13 @@ class Simulator:
             tree = self.draft(tokens, feats)
             out, first = self.verify(tokens, cached, tree, cache)
             acc = accept_greedy(tree, out.logits[0, first:].argmax(-1)[None])
-            nodes = acc.accepted_nodes[0]
+            nodes = acc.node_lists()[0]
             feats = torch.cat([feats, self.aux(out)[[first] + [first + n for n in nodes]]])
             cached = len(tokens)
             # Drop the tree's KV (a negative crop removes that many); accepted tokens are
             # re-fed causally at the next pass.
             cache.crop(cached - cache.get_seq_length())
-            tokens += acc.token_ids[0]
+            tokens += acc.token_lists()[0]
             accepted_per_pass.append(len(nodes))
         return tokens[len(prompt): len(prompt) + max_new], accepted_per_pass
 

@@ -37,13 +37,25 @@ from specd.workers.spec.tree import DraftTree
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Per sequence: accepted draft nodes (root to leaf, root excluded) and the emitted tokens.
+    """The outcome for a batch of B trees (int64 tensors, -1 where padded).
 
-    token_ids = the accepted nodes' tokens followed by the bonus token (1 .. depth + 1 tokens).
+    num_accepted [B]: accepted drafts. accepted_nodes [B, D]: their node indices, root to
+    leaf (root excluded). token_ids [B, D + 1]: the emitted tokens, i.e. the accepted nodes'
+    tokens then the bonus token (1 .. depth + 1 of them). `token_lists()` gives them per
+    sequence, as the scheduler appends them.
     """
 
-    accepted_nodes: list[list[int]]
-    token_ids: list[list[int]]
+    num_accepted: torch.Tensor
+    accepted_nodes: torch.Tensor
+    token_ids: torch.Tensor
+
+    def token_lists(self) -> list[list[int]]:
+        return [row[: n + 1] for row, n in zip(self.token_ids.tolist(),
+                                               self.num_accepted.tolist(), strict=True)]
+
+    def node_lists(self) -> list[list[int]]:
+        return [row[:n] for row, n in zip(self.accepted_nodes.tolist(),
+                                          self.num_accepted.tolist(), strict=True)]
 
 
 def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
@@ -159,11 +171,15 @@ def _uniforms(batch: int, num_nodes: int, generators: Sequence[torch.Generator |
 
 
 def _result(path: list[torch.Tensor], tree: DraftTree, last: torch.Tensor) -> Acceptance:
-    nodes_per_depth = torch.stack(path, dim=1).tolist() if path else [[] for _ in last]
-    tokens = tree.token_ids.tolist()
-    accepted = [[n for n in row if n >= 0] for row in nodes_per_depth]
-    emitted = [[tokens[b][n] for n in accepted[b]] + [int(t)] for b, t in enumerate(last.tolist())]
-    return Acceptance(accepted_nodes=accepted, token_ids=emitted)
+    """Pack the per-depth accepted nodes ([B] each, -1 after a tree stopped) and last token."""
+    batch = tree.token_ids.shape[0]
+    nodes = (torch.stack(path, dim=1) if path
+             else torch.empty(batch, 0, dtype=torch.long, device=last.device))  # [B, D]
+    num_accepted = (nodes >= 0).sum(dim=1)
+    tokens = torch.where(nodes >= 0, tree.token_ids.gather(1, nodes.clamp(min=0)), -1)
+    tokens = torch.cat([tokens, torch.full_like(last[:, None], -1)], dim=1)  # [B, D + 1]
+    tokens.scatter_(1, num_accepted[:, None], last[:, None])  # the bonus after the accepted
+    return Acceptance(num_accepted=num_accepted, accepted_nodes=nodes, token_ids=tokens)
 
 
 def _check_shape(tree: DraftTree, per_node: torch.Tensor, name: str) -> None:
