@@ -26,7 +26,11 @@ Two kernels, chosen by `choose_config` from M and the shape, never by the caller
   dequantizing each weight tile in registers.
 
 Both read each packed word once per nibble position (eight loads of the same word hit L1);
-BLOCK_K divides group_size, so one scale per output column covers a whole K block.
+BLOCK_K divides group_size, so one scale per output column covers a whole K block. The kernels
+take any strides; they read fastest when `weight_packed` and `weight_scale` are stored
+N-contiguous (`column_major`: the same [N, X] values, stride (1, N)), because a warp then reads
+consecutive output columns of one packed row, as GPTQ/AWQ-layout kernels do. `Int4Linear`
+keeps its tensors that way; the checkpoint's K-contiguous layout works too.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def int4_gemm_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: to
     """
     w = dequantize_int4(weight_packed, weight_scale, group_size, x.shape[-1], x.dtype)
     return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same 2-D tensor stored N-contiguous (stride (1, rows)): the kernels' fast layout."""
+    return t.t().contiguous().t()
 
 
 # ----------------------------------------------------------------------------- kernels

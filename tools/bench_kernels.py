@@ -49,27 +49,68 @@ def bench_ms(fn: Any) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def bench_gemm(k: int, n: int, m: int) -> dict[str, float]:
-    from specd.kernels.int4_gemm import choose_config, device_num_sms, int4_gemm, int4_gemm_ref
+def _gemm_operands(k: int, n: int, m: int) -> tuple[torch.Tensor, ...]:
+    """(x [m, k], bf16 weight [n, k], packed and scale as the checkpoint stores them)."""
     from specd.workers.quantization import quantize_rtn
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     weight = torch.randn(n, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
     packed, scale = quantize_rtn(weight, GROUP_SIZE)
     x = torch.randn(m, k, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    y = int4_gemm(x, packed, scale, GROUP_SIZE)
-    ref = int4_gemm_ref(x, packed, scale, GROUP_SIZE)
-    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-2)
+    return x, weight, packed, scale
+
+
+def bench_gemm(k: int, n: int, m: int) -> dict[str, float]:
+    """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
+    checkpoint's K-contiguous layout passed as is."""
+    from specd.kernels.int4_gemm import (
+        choose_config,
+        column_major,
+        device_num_sms,
+        int4_gemm,
+        int4_gemm_ref,
+    )
+
+    x, weight, packed_k, scale_k = _gemm_operands(k, n, m)
+    packed, scale = column_major(packed_k), column_major(scale_k)
+    ref = int4_gemm_ref(x, packed_k, scale_k, GROUP_SIZE)
+    for p, s in ((packed, scale), (packed_k, scale_k)):
+        torch.testing.assert_close(int4_gemm(x, p, s, GROUP_SIZE).float(), ref.float(),
+                                   rtol=2**-7, atol=1e-2)
     t_int4 = bench_ms(lambda: int4_gemm(x, packed, scale, GROUP_SIZE))
+    t_kmajor = bench_ms(lambda: int4_gemm(x, packed_k, scale_k, GROUP_SIZE))
     t_bf16 = bench_ms(lambda: torch.matmul(x, weight.t()))
     int4_bytes = n * k // 2 + scale.numel() * 2 + (m * k + m * n) * 2
     cfg = choose_config(m, n, k, GROUP_SIZE, device_num_sms(x.device))
-    return {"m": m, "k": k, "n": n, "int4_us": t_int4 * 1e3, "bf16_us": t_bf16 * 1e3,
-            "speedup": t_bf16 / t_int4,
+    return {"m": m, "k": k, "n": n, "int4_us": t_int4 * 1e3, "int4_kmajor_us": t_kmajor * 1e3,
+            "bf16_us": t_bf16 * 1e3, "speedup": t_bf16 / t_int4,
             "int4_bw_frac": int4_bytes / (t_int4 * 1e-3) / PEAK_BYTES_PER_S,
             "bf16_bw_frac": (n * k + m * k + m * n) * 2 / (t_bf16 * 1e-3) / PEAK_BYTES_PER_S,
-            "config": f"{cfg.kind} bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} "
-                      f"sk{cfg.split_k}"}
+            "config": _config_name(cfg)}
+
+
+def _config_name(cfg: Any) -> str:
+    return (f"{cfg.kind} bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} "
+            f"w{cfg.num_warps} s{cfg.num_stages}")
+
+
+def sweep_gemm(k: int, n: int, m: int) -> list[dict[str, Any]]:
+    """Time split-K configurations around the default (to tune `choose_config`)."""
+    from specd.kernels.int4_gemm import GemmConfig, column_major, int4_gemm
+
+    x, _, packed_k, scale_k = _gemm_operands(k, n, m)
+    packed, scale = column_major(packed_k), column_major(scale_k)
+    block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+    rows = []
+    for block_n in (64, 128, 256):
+        for split_k in (1, 4, 16):
+            for num_warps in (4, 8):
+                cfg = GemmConfig("splitk", block_m, block_n, 32, split_k=split_k,
+                                 num_warps=num_warps)
+                t = bench_ms(lambda c=cfg: int4_gemm(x, packed, scale, GROUP_SIZE, config=c))
+                rows.append({"m": m, "k": k, "n": n, "config": _config_name(cfg),
+                             "int4_us": t * 1e3})
+    return sorted(rows, key=lambda r: r["int4_us"])
 
 
 def _tree_case(t: int, prefix: int, batch: int = 4, heads: int = 32, kv_heads: int = 8,
@@ -143,29 +184,48 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="INT4 GEMM and tree-attention benchmark")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench_kernels.json"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time 18 split-K configurations at M = 1, 16, 64 on two "
+                             "shapes (tuning data for choose_config)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the kernels' CPU path is the torch "
               "reference, which is not what this measures); none is available", file=sys.stderr)
         return 2
-    shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
-    ms = (1, 16, 64) if args.quick else GEMM_M
-    gemm = [{"shape": name, **bench_gemm(k, n, m)} for name, (k, n) in shapes.items()
-            for m in ms]
-    print(_table(gemm, ["shape", "m", "int4_us", "bf16_us", "speedup", "int4_bw_frac",
-                        "config"]), flush=True)
-    prefixes = (512, 8192) if args.quick else TREE_PREFIX
-    tree = [bench_tree(t, p) for t in TREE_T for p in prefixes]
-    print(_table(tree, ["t", "prefix", "batch", "tree_us", "sdpa_us", "speedup",
-                        "tree_bw_frac"]), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "group_size": GROUP_SIZE,
-              "peak_bytes_per_s": PEAK_BYTES_PER_S, "gemm": gemm, "tree_attention": tree}
+    import triton
+
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "group_size": GROUP_SIZE,
+        "peak_bytes_per_s": PEAK_BYTES_PER_S, "gemm": [], "tree_attention": [], "sweep": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
+    for name, (k, n) in shapes.items():  # the JSON is rewritten after each part, so a run
+        for m in (1, 16, 64) if args.quick else GEMM_M:  # cut short keeps what it measured
+            result["gemm"].append({"shape": name, **bench_gemm(k, n, m)})
+        _save(args.out, result)
+    print(_table(result["gemm"], ["shape", "m", "int4_us", "int4_kmajor_us", "bf16_us",
+                                  "speedup", "int4_bw_frac", "config"]), flush=True)
+    for t in TREE_T:
+        for prefix in (512, 8192) if args.quick else TREE_PREFIX:
+            result["tree_attention"].append(bench_tree(t, prefix))
+        _save(args.out, result)
+    print(_table(result["tree_attention"], ["t", "prefix", "batch", "tree_us", "sdpa_us",
+                                            "speedup", "tree_bw_frac"]), flush=True)
+    if args.sweep:  # two shapes: a wide-N and a wide-K one
+        for name, (k, n) in list(GEMM_SHAPES.items())[1::3]:
+            for m in (1, 16, 64):
+                best = sweep_gemm(k, n, m)
+                result["sweep"].append({"shape": name, "m": m, "best": best[:5]})
+                _save(args.out, result)
+                print(f"sweep {name} m={m}: best {best[0]['config']} "
+                      f"{best[0]['int4_us']:.1f} us", flush=True)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
+
+def _save(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 if __name__ == "__main__":
     sys.exit(main())

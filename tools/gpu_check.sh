@@ -49,7 +49,7 @@ timeout 200 $PY -m pytest -m gpu tests -q -rA -p no:cacheprovider --continue-on-
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 say "bench_kernels"
-timeout "$(left)" $PY tools/bench_kernels.py --out "$OUT/bench_kernels.json" $QUICK 2>&1 | tee -a "$LOG"
+timeout "$(left)" $PY tools/bench_kernels.py --out "$OUT/bench_kernels.json" --sweep $QUICK 2>&1 | tee -a "$LOG"
 echo "bench_kernels exit: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 for bench in tools/bench_*.py; do

@@ -250,10 +250,12 @@ class Int4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
-        self.weight_packed = _frozen(torch.empty(out_features, in_features // PACK_FACTOR,
-                                                 dtype=torch.int32))
-        self.weight_scale = _frozen(torch.empty(out_features, in_features // group_size,
-                                                dtype=scale_dtype))
+        # [out, in/8] and [out, in/group] stored output-contiguous (stride (1, out)), the
+        # layout the INT4 GEMM reads coalesced; loading shards into rows works the same.
+        self.weight_packed = _frozen(torch.empty(in_features // PACK_FACTOR, out_features,
+                                                 dtype=torch.int32).t())
+        self.weight_scale = _frozen(torch.empty(in_features // group_size, out_features,
+                                                dtype=scale_dtype).t())
         self.weight_shape = _frozen(torch.tensor([out_features, in_features], dtype=torch.int64))
         self.bias = _frozen(torch.empty(out_features)) if bias else None
 

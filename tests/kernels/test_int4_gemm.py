@@ -14,6 +14,7 @@ import torch
 from specd.kernels.int4_gemm import (
     GemmConfig,
     choose_config,
+    column_major,
     dequantize_int4,
     int4_gemm,
     int4_gemm_ref,
@@ -68,6 +69,17 @@ def test_non_contiguous_operands() -> None:
     for x in (every_other[:1], every_other, transposed):
         assert not x.is_contiguous() and not packed.is_contiguous()
         _assert_matches_ref(int4_gemm(x, packed, scale, 32), x, packed, scale, 32)
+
+
+@pytest.mark.parametrize("m", [1, 4, 70])
+def test_column_major_weights_as_int4linear_stores_them(m: int) -> None:
+    _, packed, scale = _random_int4(45, 128, 64, seed=m)
+    packed_cm, scale_cm = column_major(packed), column_major(scale)
+    assert packed_cm.stride() == (1, 45) and torch.equal(packed_cm, packed)
+    x = torch.randn(m, 128).to(torch.bfloat16)
+    y = int4_gemm(x, packed_cm, scale_cm, 64)
+    _assert_matches_ref(y, x, packed, scale, 64)
+    assert torch.equal(y, int4_gemm(x, packed, scale, 64))  # layout never changes the sums
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
