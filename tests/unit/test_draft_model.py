@@ -1,0 +1,209 @@
+"""The EAGLE-3 draft head: loads the published checkpoint layout, computes what it should."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specd.workers.spec.draft_model import DraftConfig, load_draft_head, resolve_aux_layer_ids
+
+H, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4, 2, 8, 48
+VOCAB, DRAFT_VOCAB = 40, 16
+
+
+def published_config(**overrides) -> dict:
+    """A config.json as SpecForge writes it for LlamaForCausalLMEagle3."""
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "num_hidden_layers": 1, "hidden_size": H, "intermediate_size": INTER,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 500.0,
+        "max_position_embeddings": 256, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the published names; draft vocab = every other target id + 7."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])
+
+    target_ids = torch.arange(DRAFT_VOCAB) * 2 + 7
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    return {
+        "fc.weight": w(H, 3 * H),
+        "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=gen),
+        "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(H, generator=gen),
+        "midlayer.post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=gen),
+        "midlayer.self_attn.q_proj.weight": w(HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, HEADS * HEAD_DIM),
+        "midlayer.mlp.gate_proj.weight": w(INTER, H),
+        "midlayer.mlp.up_proj.weight": w(INTER, H),
+        "midlayer.mlp.down_proj.weight": w(H, INTER),
+        "norm.weight": 1 + 0.1 * torch.randn(H, generator=gen),
+        "lm_head.weight": w(DRAFT_VOCAB, H),
+        "d2t": target_ids - torch.arange(DRAFT_VOCAB),
+        "t2d": t2d,
+    }
+
+
+def save(path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config or published_config()))
+    return path
+
+
+def target_embedding() -> torch.Tensor:
+    return torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(9))
+
+
+def reference_logits(t: dict[str, torch.Tensor], embed: torch.Tensor, ids: torch.Tensor,
+                     aux: torch.Tensor, eps: float = 1e-6, theta: float = 500.0) -> torch.Tensor:
+    """The EAGLE-3 layer written out plainly for one sequence (positions 0..n-1)."""
+
+    def rms(x, w):
+        return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, pos):  # x [heads, d] at position pos; pairs (i, i + d/2) rotate together
+        half = HEAD_DIM // 2
+        out = x.clone()
+        for i in range(half):
+            angle = pos / theta ** (2 * i / HEAD_DIM)
+            c, s = math.cos(angle), math.sin(angle)
+            out[:, i] = x[:, i] * c - x[:, i + half] * s
+            out[:, i + half] = x[:, i + half] * c + x[:, i] * s
+        return out
+
+    n = len(ids)
+    hidden = aux @ t["fc.weight"].T
+    x = torch.cat([rms(embed[ids], t["midlayer.input_layernorm.weight"]),
+                   rms(hidden, t["midlayer.hidden_norm.weight"])], dim=-1)
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+    q = torch.stack([rope(q[p], p) for p in range(n)])
+    k = torch.stack([rope(k[p], p) for p in range(n)])
+    attn = torch.zeros(n, HEADS, HEAD_DIM)
+    for h in range(HEADS):
+        kv = h // (HEADS // KV_HEADS)
+        for i in range(n):
+            scores = (k[: i + 1, kv] @ q[i, h]) / math.sqrt(HEAD_DIM)
+            attn[i, h] = torch.softmax(scores, dim=0) @ v[: i + 1, kv]
+    h1 = attn.reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T + hidden
+    y = rms(h1, t["midlayer.post_attention_layernorm.weight"])
+    mlp = (torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T)
+           * (y @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
+    out = mlp + h1
+    return rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
+def test_published_layout_loads_and_matches_the_reference(tmp_path):
+    tensors = published_tensors()
+    embed = target_embedding()
+    head = load_draft_head(save(tmp_path / "head", tensors), embed)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (7,), generator=gen)
+    aux = torch.randn(7, 3 * H, generator=gen)
+    expected = reference_logits(tensors, embed, ids, aux)
+    with torch.no_grad():
+        positions = torch.arange(7)
+        out = head(ids, positions, head.fuse(aux))  # the engine path, dense attention
+        dense = head.forward_dense(embed[ids][None], head.fuse(aux)[None], positions[None])[0]
+        torch.testing.assert_close(head.logits(out), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(head.logits(dense), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_is_shared_with_the_target_and_vocab_maps_apply(tmp_path):
+    embed = target_embedding()
+    head = load_draft_head(save(tmp_path / "head", published_tensors()), embed)
+    assert head.embed_tokens.weight.data_ptr() == embed.data_ptr()
+    assert head.to_target_ids(torch.tensor([0, 1, 15])).tolist() == [7, 9, 37]
+    assert int(head.t2d.sum()) == DRAFT_VOCAB and bool(head.t2d[9])
+    assert resolve_aux_layer_ids(head.config, 12) == (1, 4, 7)
+
+
+def test_a_checkpoint_embedding_is_used_when_present(tmp_path):
+    tensors = published_tensors()
+    tensors["embed_tokens.weight"] = torch.ones(VOCAB, H)
+    head = load_draft_head(save(tmp_path / "head", tensors))
+    assert torch.equal(head.embed_tokens.weight, torch.ones(VOCAB, H))
+
+
+def test_sglang_and_speculators_name_variants_load(tmp_path):
+    tensors = {("model." + n if n.startswith("midlayer") else n): t
+               for n, t in published_tensors().items()}
+    tensors = {n.replace("model.midlayer.", "layers.0.", 1) if "mlp" in n else n: t
+               for n, t in tensors.items()}
+    head = load_draft_head(save(tmp_path / "head", tensors), target_embedding())
+    expected = published_tensors()["midlayer.mlp.up_proj.weight"]
+    assert torch.equal(head.midlayer.mlp.up_proj.weight, expected)
+
+
+def test_dtype_is_applied_and_rope_stays_float32(tmp_path):
+    head = load_draft_head(save(tmp_path / "head", published_tensors()), target_embedding(),
+                           dtype=torch.bfloat16)
+    assert head.fc.weight.dtype == torch.bfloat16
+    assert head.inv_freq.dtype == torch.float32
+    assert head.d2t.dtype == torch.int64
+
+
+def test_aux_layer_ids_default_and_top_level_field():
+    cfg = published_config()
+    del cfg["eagle_config"]
+    assert resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 12) == (2, 6, 9)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 3, 12]
+    assert resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 12) == (0, 3, 12)
+    with pytest.raises(ValueError, match="out of range"):
+        resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 8)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("fc.weight"), "missing tensors \\['fc.weight'\\]"),
+    (lambda t: t.update({"midlayer.extra.weight": torch.zeros(1)}), "unexpected tensors"),
+    (lambda t: t.update({"midlayer.self_attn.q_proj.weight": torch.zeros(HEADS * HEAD_DIM, H)}),
+     "q_proj.weight has shape \\(32, 32\\), expected \\(32, 64\\)"),
+    (lambda t: t.update({"t2d": torch.ones(VOCAB, dtype=torch.bool)}), "t2d does not mark"),
+    (lambda t: t.update({"d2t": torch.full((DRAFT_VOCAB,), 100)}), "outside the target"),
+    (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t must be int64"),
+])
+def test_wrong_tensors_raise_naming_the_tensor(tmp_path, edit, message):
+    tensors = published_tensors()
+    edit(tensors)
+    with pytest.raises(ValueError, match=message):
+        load_draft_head(save(tmp_path / "head", tensors), target_embedding())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+    ({"architectures": ["Eagle3Speculator"]}, "architectures"),
+    ({"num_hidden_layers": 2}, "one-layer"),
+    ({"draft_vocab_size": VOCAB + 1}, "draft_vocab_size"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope type"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+])
+def test_wrong_config_raises(tmp_path, overrides, message):
+    path = save(tmp_path / "head", published_tensors(), published_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+        load_draft_head(path, target_embedding())
+
+
+def test_missing_files_and_embedding_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_draft_head(tmp_path / "nothing")
+    path = save(tmp_path / "head", published_tensors())
+    with pytest.raises(ValueError, match="no embed_tokens.weight"):
+        load_draft_head(path)
