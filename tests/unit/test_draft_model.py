@@ -207,3 +207,29 @@ def test_missing_files_and_embedding_raise(tmp_path):
     path = save(tmp_path / "head", published_tensors())
     with pytest.raises(ValueError, match="no embed_tokens.weight"):
         load_draft_head(path)
+
+
+def test_paged_forward_matches_dense_for_chunks_and_a_tree(tmp_path):
+    """The head over its own paged KV cache (the engine path) equals the dense forward:
+    a 5-token chunk, a 2-token chunk, then a 3-node tree (root, two siblings)."""
+    from specd.workers.attention import build_attention_metadata
+
+    head = load_draft_head(save(tmp_path / "head", published_tensors()), target_embedding())
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (10,), generator=gen)
+    hidden = head.fuse(torch.randn(10, 3 * H, generator=gen))
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 8])  # the siblings share depth 1
+    block_size, table = 4, [3, 0, 2]
+    cache = torch.zeros(2, 4, block_size, KV_HEADS, HEAD_DIM)
+    outs = []
+    with torch.no_grad():
+        for start, end, tree_mask in ((0, 5, None), (5, 7, None),
+                                      (7, 10, torch.tensor([0b001, 0b011, 0b101]))):
+            meta = build_attention_metadata([end - start], [end], [table], block_size,
+                                            torch.device("cpu"), tree_mask)
+            outs.append(head(ids[start:end], positions[start:end], hidden[start:end], cache, meta))
+        mask = torch.ones(10, 10, dtype=torch.bool).tril()
+        mask[9, 8] = False  # the second sibling does not see the first
+        dense = head.forward_dense(head.embed_tokens(ids)[None], hidden[None], positions[None],
+                                   mask)[0]
+    torch.testing.assert_close(torch.cat(outs), dense, atol=1e-5, rtol=1e-5)

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
+
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 WEIGHTS_FILE = "model.safetensors"
 
@@ -223,7 +225,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-           meta: Any, scale: float) -> torch.Tensor:
+           meta: AttentionMetadata | None, scale: float) -> torch.Tensor:
     """Attention for N query rows: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d].
 
     With `kv_cache` [2, num_blocks, block_size, kv_heads, d] and `meta` (AttentionMetadata of
@@ -235,13 +237,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         if meta is not None:
             raise ValueError("attend: attention metadata given without a kv_cache")
         return _dense_causal(q, k, v, scale)
-    # Imported here: the paged backend lives with the engine; the dense path needs none of it.
-    from specd.workers.attention import paged_attention
-
-    slots = meta.slot_mapping  # [N] flat slot of each row's K/V
-    kv_cache[0].view(-1, *kv_cache.shape[-2:])[slots] = k.to(kv_cache.dtype)
-    kv_cache[1].view(-1, *kv_cache.shape[-2:])[slots] = v.to(kv_cache.dtype)
-    return paged_attention(q, kv_cache, meta, scale)
+    if meta is None:
+        raise ValueError("attend: a kv_cache needs this step's attention metadata")
+    store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
+    return paged_attention(q.to(kv_cache.dtype), kv_cache, meta, scale).to(q.dtype)
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -316,7 +315,8 @@ class DraftHead(nn.Module):
     # --- forwards ---
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor, kv_cache: torch.Tensor | None = None, meta: Any = None,
+                hidden: torch.Tensor, kv_cache: torch.Tensor | None = None,
+                meta: AttentionMetadata | None = None,
                 embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One step over N rows laid out as the target model's (the shared contract).
 
