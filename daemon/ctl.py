@@ -1,0 +1,352 @@
+"""`specctl`: control and use a running specd from the command line.
+
+Human-readable output by default, `--json` for scripts (before or after the command name).
+The socket comes from `--socket`, else $SPECD_SOCKET, else the daemon's default path.
+
+Exit codes:
+    0  success
+    1  the daemon answered with an error (its code is printed: overloaded, bad_request, ...)
+    2  usage error (bad option or argument)
+    3  the daemon cannot be reached (not running, wrong socket, connection lost)
+    4  no answer within --timeout
+    5  `doctor` found a problem
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import msgspec
+
+from specd.ipc.client import (
+    Client,
+    ClientTimeout,
+    DaemonUnavailable,
+    GenerateResult,
+    SpecdError,
+    StreamDelta,
+)
+from specd.ipc.sampling import SamplingParams
+
+EXIT_DAEMON_ERROR = 1
+EXIT_UNREACHABLE = 3
+EXIT_TIMEOUT = 4
+EXIT_DOCTOR_PROBLEM = 5
+
+T = TypeVar("T")
+
+
+class Settings:
+    """Options shared by every command (set on the group)."""
+
+    def __init__(self, socket_path: Path | None, timeout: float, as_json: bool) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.as_json = as_json
+
+    def client(self) -> Client:
+        return Client(self.socket_path, timeout=self.timeout)
+
+
+def _json_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(command)
+
+
+def _emit_json(value: Any) -> None:
+    click.echo(json.dumps(msgspec.to_builtins(value, enc_hook=str), indent=None))
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Run a client call; map its failures to an exit code and a one-line message."""
+    try:
+        return action()
+    except DaemonUnavailable as exc:
+        click.echo(f"specctl: daemon unreachable: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except ClientTimeout as exc:
+        click.echo(f"specctl: timeout: {exc}", err=True)
+        sys.exit(EXIT_TIMEOUT)
+    except SpecdError as exc:
+        click.echo(f"specctl: {exc.code}: {exc.message}", err=True)
+        sys.exit(EXIT_DAEMON_ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+              envvar="SPECD_SOCKET", help="daemon socket [default: $SPECD_SOCKET or the "
+              "daemon's default path]")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="seconds to wait for each answer")
+@_json_option
+@click.pass_context
+def cli(ctx: click.Context, socket_path: Path | None, timeout: float, as_json: bool) -> None:
+    """Control and use a running specd.
+
+    Exit codes: 0 success; 1 the daemon answered with an error; 2 usage error; 3 daemon
+    unreachable; 4 timeout; 5 doctor found a problem.
+    """
+    ctx.obj = Settings(socket_path, timeout, as_json)
+
+
+def _settings(ctx: click.Context, as_json: bool) -> Settings:
+    settings: Settings = ctx.obj
+    return Settings(settings.socket_path, settings.timeout, settings.as_json or as_json)
+
+
+# ---- generate ----------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="send PROMPT as a user message (chat template)")
+@click.option("--system", default=None, help="system message (implies --chat)")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=-1, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--deadline", type=float, default=None, help="seconds the request may take")
+@click.option("--local", is_flag=True,
+              help="run the in-process engine (specd.Engine) instead of the daemon")
+@click.option("--model", default=None, help="with --local: model directory [default: fixture]")
+@_json_option
+@click.pass_context
+def generate(ctx: click.Context, prompt: str, chat: bool, system: str | None, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+             stop: tuple[str, ...], ignore_eos: bool, deadline: float | None, local: bool,
+             model: str | None, as_json: bool) -> None:
+    """Generate from PROMPT ('-' reads stdin), streaming text to the terminal.
+
+    With --json, prints one JSON line per delta and a final line with the result."""
+    settings = _settings(ctx, as_json)
+    text = sys.stdin.read() if prompt == "-" else prompt
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  min_p=min_p, seed=seed, max_tokens=max_tokens, stop=stop,
+                                  ignore_eos=ignore_eos)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    messages = None
+    if chat or system is not None:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+    started = time.monotonic()
+    if local:
+        deltas, result_of = _local_stream(model, text, messages, sampling)
+        result = _print_stream(deltas, result_of, settings.as_json)
+    else:
+        result = _run(lambda: _daemon_generate(settings, text, messages, sampling, deadline))
+    elapsed = time.monotonic() - started
+    if settings.as_json:
+        _emit_json({"type": "result", **msgspec.to_builtins(result), "elapsed_s": elapsed})
+    else:
+        click.echo()
+        click.echo(f"[{result.finish_reason}: {result.num_prompt_tokens} prompt + "
+                   f"{result.num_output_tokens} output tokens in {elapsed:.2f} s, "
+                   f"{result.num_output_tokens / max(elapsed, 1e-9):.1f} tok/s"
+                   + (f", acceptance length {result.acceptance_length:.2f}"
+                      if result.num_drafted else "") + "]", err=True)
+
+
+def _daemon_generate(settings: Settings, text: str, messages: list[dict[str, str]] | None,
+                     sampling: SamplingParams, deadline: float | None) -> GenerateResult:
+    with settings.client() as client:
+        stream = client.stream(None if messages else text, messages=messages, sampling=sampling,
+                               deadline_s=deadline)
+        with stream:
+            return _print_stream(iter(stream), lambda: stream.result, settings.as_json)
+
+
+def _print_stream(deltas: Iterator[StreamDelta], result_of: Callable[[], GenerateResult | None],
+                  as_json: bool) -> GenerateResult:
+    for delta in deltas:
+        if as_json:
+            _emit_json({"type": "delta", "text": delta.text, "token_ids": delta.token_ids})
+        else:
+            click.echo(delta.text, nl=False)
+            sys.stdout.flush()
+    result = result_of()
+    if result is None:
+        raise SpecdError("the stream ended without a result")
+    return result
+
+
+def _local_stream(model: str | None, text: str, messages: list[dict[str, str]] | None,
+                  sampling: SamplingParams
+                  ) -> tuple[Iterator[StreamDelta], Callable[[], GenerateResult | None]]:
+    """The in-process engine, detokenized the way the daemon does it."""
+    from specd.daemon.local import LocalGeneration
+
+    generation = LocalGeneration(model, text, messages, sampling)
+    return generation.deltas(), lambda: generation.result
+
+
+# ---- control -----------------------------------------------------------------------------
+
+
+@cli.command()
+@_json_option
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Liveness, readiness, model, uptime, queue, batch, speculation, fallbacks."""
+    settings = _settings(ctx, as_json)
+
+    def query() -> Any:
+        with settings.client() as client:
+            return client.status()
+
+    reply = _run(query)
+    if settings.as_json:
+        _emit_json(reply)
+        return
+    engine = reply.engine
+    lines = [
+        f"state        {reply.state}",
+        f"model        {reply.model}",
+        f"version      specd {reply.version}, protocol {reply.protocol}, code "
+        f"{reply.provenance.get('front', {}).get('code_version', '?')}",
+        f"uptime       {reply.uptime_s:.0f} s",
+        f"requests     {reply.num_open_requests} open, {reply.num_connections} connections",
+    ]
+    if engine:
+        lines += [
+            f"batch        {engine.get('num_running', '?')} running, "
+            f"{engine.get('num_waiting', '?')} waiting",
+            f"kv blocks    {engine.get('num_free_kv_blocks', '?')} free of "
+            f"{engine.get('num_kv_blocks', '?')}",
+            f"speculation  mode {engine.get('spec_mode', '?')}, active "
+            f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
+            f"accepted {engine.get('num_accepted', 0)}",
+            f"fallbacks    {', '.join(engine.get('fallbacks', [])) or 'none'}",
+        ]
+    for key, value in reply.resolved.items():
+        lines.append(f"resolved     {key} = {value}")
+    click.echo("\n".join(lines))
+
+
+@cli.command()
+@_json_option
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Engine and front counters."""
+    settings = _settings(ctx, as_json)
+
+    def query() -> dict[str, Any]:
+        with settings.client() as client:
+            return client.stats()
+
+    figures = _run(query)
+    if settings.as_json:
+        _emit_json(figures)
+        return
+    for section, value in figures.items():
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                click.echo(f"{section}.{key} = {inner}")
+        else:
+            click.echo(f"{section} = {value}")
+
+
+@cli.command()
+@click.argument("mode", type=click.Choice(["on", "off", "auto", "threshold"]))
+@click.argument("threshold", type=int, required=False)
+@_json_option
+@click.pass_context
+def spec(ctx: click.Context, mode: str, threshold: int | None, as_json: bool) -> None:
+    """Speculation: on, off, auto, or `threshold N` (auto, off above batch size N)."""
+    if (mode == "threshold") != (threshold is not None):
+        raise click.UsageError("give N with `threshold N`, and only there")
+    settings = _settings(ctx, as_json)
+    wire_mode = "auto" if mode == "threshold" else mode
+
+    def call() -> str:
+        with settings.client() as client:
+            return client.set_spec(wire_mode, threshold)
+
+    _report_ack(settings, _run(call))
+
+
+@cli.command()
+@click.option("--timeout", "drain_timeout", type=float, default=None,
+              help="seconds in-flight requests may still run [default: the daemon's]")
+@click.option("--wait", is_flag=True, help="return only once the daemon has exited")
+@_json_option
+@click.pass_context
+def drain(ctx: click.Context, drain_timeout: float | None, wait: bool, as_json: bool) -> None:
+    """Stop accepting requests, finish those in flight, then exit (like SIGTERM)."""
+    settings = _settings(ctx, as_json)
+
+    def call() -> str:
+        with settings.client() as client:
+            return client.drain(drain_timeout)
+
+    message = _run(call)
+    if wait:
+        _wait_for_exit(settings)
+    _report_ack(settings, message)
+
+
+@cli.command()
+@click.option("--wait", is_flag=True, help="return only once the daemon has exited")
+@_json_option
+@click.pass_context
+def stop(ctx: click.Context, wait: bool, as_json: bool) -> None:
+    """End every request now and exit."""
+    settings = _settings(ctx, as_json)
+
+    def call() -> str:
+        with settings.client() as client:
+            return client.stop()
+
+    message = _run(call)
+    if wait:
+        _wait_for_exit(settings)
+    _report_ack(settings, message)
+
+
+def _wait_for_exit(settings: Settings) -> None:
+    deadline = time.monotonic() + settings.timeout
+    while time.monotonic() < deadline:
+        try:
+            settings.client().close()
+        except DaemonUnavailable:
+            return
+        time.sleep(0.1)
+    click.echo("specctl: the daemon did not exit in time", err=True)
+    sys.exit(EXIT_TIMEOUT)
+
+
+def _report_ack(settings: Settings, message: str) -> None:
+    if settings.as_json:
+        _emit_json({"ok": True, "message": message})
+    else:
+        click.echo(message)
+
+
+@cli.command()
+@_json_option
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Checks to run first when something is wrong; each prints ok or what to do."""
+    from specd.daemon.doctor import run_checks
+
+    settings = _settings(ctx, as_json)
+    results = run_checks(settings.socket_path, settings.timeout)
+    if settings.as_json:
+        _emit_json([msgspec.structs.asdict(r) for r in results])
+    else:
+        for r in results:
+            click.echo(f"{'ok  ' if r.ok else 'FAIL'}  {r.name}: {r.detail}")
+            if not r.ok and r.advice:
+                click.echo(f"      -> {r.advice}")
+    if not all(r.ok for r in results):
+        sys.exit(EXIT_DOCTOR_PROBLEM)

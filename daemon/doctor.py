@@ -1,0 +1,166 @@
+"""`specctl doctor`: what an operator checks first when something is wrong.
+
+Each check returns ok or the problem with what to do. Checks that need the daemon are
+reported as failed (with the reason) when it cannot be reached; local checks still run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from specd.daemon import provenance
+from specd.ipc.client import Client, SpecdError
+from specd.ipc.messages import StatusReply
+
+
+class CheckResult(msgspec.Struct, frozen=True):
+    name: str
+    ok: bool
+    detail: str
+    advice: str = ""
+
+
+def _tree(modules: dict[str, str]) -> str:
+    """The directory the `specd` package was imported from."""
+    path = modules.get("specd")
+    return str(Path(path).parent.parent) if path else "?"
+
+
+def check_local_install() -> CheckResult:
+    info = provenance.install_info()
+    dirs = provenance.package_dirs()
+    where = ", ".join(f"{k}={v}" for k, v in dirs.items())
+    if not info.get("installed"):
+        return CheckResult("install", False, f"specd is not installed; imported from {where}",
+                           "pip install . (or -e . for development)")
+    kind = "editable (source tree)" if info.get("editable") else "installed copy"
+    return CheckResult("install", True, f"specd {info.get('version')} {kind}; code "
+                       f"{provenance.code_version()}; packages at {where}")
+
+
+def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
+    if status is None:
+        return CheckResult("daemon", False, error, "start it (specd or systemctl start specd) "
+                           "and check --socket / $SPECD_SOCKET")
+    ok = status.state == "ready"
+    return CheckResult("daemon", ok, f"state {status.state}, model {status.model}, up "
+                       f"{status.uptime_s:.0f} s, {status.num_open_requests} open requests",
+                       "" if ok else "see the daemon's log (journalctl -u specd)")
+
+
+def check_provenance(status: StatusReply) -> list[CheckResult]:
+    local_version = provenance.code_version()
+    front = status.provenance.get("front", {})
+    scheduler = status.provenance.get("scheduler", {})
+    results = []
+    front_version = front.get("code_version")
+    results.append(CheckResult(
+        "front code", front_version == local_version,
+        f"front runs {front_version} from {_tree(front.get('modules', {}))} "
+        f"(install: {front.get('install')}); this specctl has {local_version}",
+        "the daemon runs other code than this checkout/install: restart it, or reinstall "
+        "(a stale install or a different virtualenv)"))
+    if scheduler:
+        same = scheduler.get("code_version") == front_version
+        results.append(CheckResult(
+            "scheduler code", same,
+            f"scheduler pid {scheduler.get('pid')} runs {scheduler.get('code_version')} from "
+            f"{_tree(scheduler.get('modules', {}))}",
+            "front and scheduler differ: reinstall specd and restart"))
+        packages = scheduler.get("packages", {})
+        results.append(CheckResult(
+            "packages", True, ", ".join(f"{k} {v}" for k, v in sorted(packages.items()))))
+    return results
+
+
+def check_device() -> CheckResult:
+    try:
+        import torch
+    except ImportError as exc:
+        return CheckResult("device", False, f"torch cannot be imported: {exc}",
+                           "pip install torch")
+    if not torch.cuda.is_available():
+        return CheckResult("device", True, f"torch {torch.__version__}: no CUDA device; the "
+                           "engine runs on the CPU with the pure-torch kernel references")
+    major, minor = torch.cuda.get_device_capability(0)
+    return CheckResult("device", True, f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                       f"{torch.cuda.get_device_name(0)}, compute capability {major}.{minor}")
+
+
+def check_kernels() -> CheckResult:
+    """Tree attention on the device against its pure-torch reference (CUDA only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return CheckResult("kernels", True, "skipped: no CUDA device")
+    try:
+        from specd.kernels.tree_attention import tree_attention, tree_attention_ref
+    except ImportError as exc:
+        return CheckResult("kernels", False, f"cannot import the kernels: {exc}",
+                           "reinstall specd; check triton's version")
+    inputs = _tree_attention_inputs(torch)
+    out = tree_attention(*inputs)
+    ref = tree_attention_ref(*inputs)
+    error = float((out.float() - ref.float()).abs().max())
+    return CheckResult("kernels", error < 2e-2, f"tree_attention max |kernel - ref| = "
+                       f"{error:.2e}", "the Triton kernel is wrong on this device: report it")
+
+
+def _tree_attention_inputs(torch: Any) -> tuple[Any, ...]:
+    """One sequence: 16 prefix tokens and 4 causal query rows, GQA 4:2, head_dim 64."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 64, 16, 4
+    q = torch.randn(4, heads, dim, device="cuda", generator=gen, dtype=torch.float16)
+    k = torch.randn(blocks, block, kv_heads, dim, device="cuda", generator=gen,
+                    dtype=torch.float16)
+    v = torch.randn_like(k)
+    block_tables = torch.arange(blocks, device="cuda", dtype=torch.int32)[None]
+    seq_lens = torch.tensor([20], device="cuda", dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 4], device="cuda", dtype=torch.int32)
+    return (q, k, v, block_tables, seq_lens, query_start_loc, None, dim ** -0.5, 4)
+
+
+def check_generation(client: Client) -> CheckResult:
+    started = time.monotonic()
+    try:
+        result = client.generate(prompt_token_ids=[1, 2, 3], max_tokens=1)
+    except SpecdError as exc:
+        return CheckResult("generation", False, f"{exc.code}: {exc.message}",
+                           "see the daemon's log")
+    return CheckResult("generation", result.num_output_tokens == 1,
+                       f"one token in {1000 * (time.monotonic() - started):.0f} ms "
+                       f"(finish {result.finish_reason})")
+
+
+def check_config(status: StatusReply) -> CheckResult:
+    engine = status.config.get("engine", {})
+    shown = {k: engine.get(k) for k in ("model", "device", "dtype", "max_num_seqs",
+                                        "speculative_algorithm", "spec_mode")}
+    return CheckResult("config", True, f"{shown}; resolved {status.resolved}")
+
+
+def run_checks(socket_path: Path | None, timeout: float) -> list[CheckResult]:
+    results = [check_local_install()]
+    status: StatusReply | None = None
+    error = ""
+    client: Client | None = None
+    try:
+        client = Client(socket_path, timeout=timeout)
+        status = client.status()
+    except SpecdError as exc:
+        error = f"{exc.code}: {exc.message}"
+    results.append(check_daemon(status, error))
+    if status is not None and client is not None:
+        results += check_provenance(status)
+        results.append(check_config(status))
+        if status.state == "ready":
+            results.append(check_generation(client))
+    if client is not None:
+        client.close()
+    results.append(check_device())
+    results.append(check_kernels())
+    return results
