@@ -87,7 +87,8 @@ class ModelRunner:
                  capture_layers: Sequence[int] = (),
                  make_linear: LinearFactory | None = None) -> None:
         self.config = config
-        self.model_config = model_config or ModelConfig.from_dir(config.model_path)
+        self.model_config = (ModelConfig.from_dir(config.model_path) if model_config is None
+                             else model_config)
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.torch_dtype_name]
         self.capture_layers = _checked_capture_layers(capture_layers, self.model_config)
