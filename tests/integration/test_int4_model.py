@@ -13,6 +13,7 @@ moves logits by 1e-2 or more).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from torch import nn
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ScheduledBatch, ScheduledSequence
-from specd.workers.config import EngineConfig
+from specd.workers.config import FIXTURE_DIR, EngineConfig
 from specd.workers.model_runner import ModelRunner, prepare_inputs
 from specd.workers.quantization import Int4Linear
 from specd.workers.sequence import Sequence
@@ -61,13 +62,16 @@ def int4_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 class Blocks:
-    """Hands out block ids from the top down, so sequences' blocks interleave."""
+    """Hands out a runner's block ids from the top down, so sequences' blocks interleave."""
 
-    def __init__(self) -> None:
-        self.next_free = NUM_BLOCKS - 1
+    def __init__(self, runner: ModelRunner) -> None:
+        self.block_size = runner.config.block_size
+        self.next_free = runner.num_kv_blocks - 1
 
     def cover(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_ids) * BLOCK_SIZE < num_tokens:
+        while len(seq.block_ids) * self.block_size < num_tokens:
+            if self.next_free < 0:
+                raise ValueError("the test ran out of KV blocks")
             seq.block_ids.append(self.next_free)
             self.next_free -= 1
 
@@ -80,7 +84,7 @@ def _run_step(runner: ModelRunner, work: list[tuple[Sequence, int]], blocks: Blo
     batch = ScheduledBatch([ScheduledSequence(seq, n) for seq, n in work])
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.forward(
-            prepare_inputs(batch, BLOCK_SIZE, runner.device)))
+            prepare_inputs(batch, blocks.block_size, runner.device)))
     for seq, n in work:
         seq.num_computed_tokens += n
     return list(logits.split([n for _, n in work]))
@@ -104,7 +108,7 @@ def test_int4_checkpoint_runs_like_compressed_tensors_decompression(int4_dir: Pa
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(97, (n,), generator=gen).tolist() for n in (11, 3, 6)]
     seqs = [Sequence(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
-    blocks = Blocks()
+    blocks = Blocks(runner)
     for seq, got in zip(seqs, _run_step(runner, [(s, s.num_tokens) for s in seqs], blocks),
                         strict=True):
         torch.testing.assert_close(got, _oracle_logits(hf, seq.all_token_ids), atol=ATOL,
@@ -115,3 +119,69 @@ def test_int4_checkpoint_runs_like_compressed_tensors_decompression(int4_dir: Pa
         for seq, got in zip(seqs, _run_step(runner, [(s, 1) for s in seqs], blocks), strict=True):
             torch.testing.assert_close(got[0], _oracle_logits(hf, seq.all_token_ids)[-1],
                                        atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- the fixture
+
+FIXTURE_PROMPTS = 8
+FIXTURE_NEW_TOKENS = 32
+# Measured on the fixture (group 32, down_proj kept bf16 since 688 is no multiple of 32):
+# see the report of issue 4; the floor leaves margin below the measured figure.
+MIN_TEACHER_FORCED_AGREEMENT = 0.8
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (argmax of the runner's logits), all prompts batched."""
+    seqs = [Sequence(f"g{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    blocks = Blocks(runner)
+    logits = _run_step(runner, [(s, s.num_tokens) for s in seqs], blocks)
+    for _ in range(new_tokens):
+        for seq, lg in zip(seqs, logits, strict=True):
+            seq.output_token_ids.append(int(lg[-1].argmax()))
+        logits = _run_step(runner, [(s, 1) for s in seqs], blocks)
+    return [s.output_token_ids for s in seqs]
+
+
+def _teacher_forced(runner: ModelRunner, prompts: list[list[int]],
+                    continuations: list[list[int]]) -> list[list[int]]:
+    """The runner's argmax at each continuation position, given the reference prefix."""
+    seqs = [Sequence(f"t{i}", p + c, SamplingParams()) for i, (p, c)
+            in enumerate(zip(prompts, continuations, strict=True))]
+    logits = _run_step(runner, [(s, s.num_tokens) for s in seqs], Blocks(runner))
+    return [lg[len(p) - 1:-1].argmax(-1).tolist() for p, lg in zip(prompts, logits, strict=True)]
+
+
+def fixture_agreement(fixture_dir: Path, int4_dir: Path) -> dict[str, float]:
+    """Token agreement of the INT4 build with the bf16 fixture over held-out prompts."""
+    from specd.daemon.tokenizer import Tokenizer
+
+    lines = (fixture_dir / "heldout_prompts.jsonl").read_text().splitlines()[:FIXTURE_PROMPTS]
+    tokenizer = Tokenizer.from_dir(fixture_dir)
+    prompts = [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
+    runners = [ModelRunner(EngineConfig(model=str(d), dtype="float32", block_size=16,
+                                        num_kv_blocks=FIXTURE_PROMPTS * 64))
+               for d in (fixture_dir, int4_dir)]
+    dense_out, int4_out = (_greedy(r, prompts, FIXTURE_NEW_TOKENS) for r in runners)
+    forced = _teacher_forced(runners[1], prompts, dense_out)
+    total = FIXTURE_PROMPTS * FIXTURE_NEW_TOKENS
+    prefix = [next((i for i, (a, b) in enumerate(zip(d, q, strict=True)) if a != b), len(d))
+              for d, q in zip(dense_out, int4_out, strict=True)]
+    return {
+        "teacher_forced": sum(a == b for d, f in zip(dense_out, forced, strict=True)
+                              for a, b in zip(d, f, strict=True)) / total,
+        "free_running_positional": sum(a == b for d, q in zip(dense_out, int4_out, strict=True)
+                                       for a, b in zip(d, q, strict=True)) / total,
+        "mean_common_prefix": sum(prefix) / len(prefix),
+        "identical_sequences": sum(p == FIXTURE_NEW_TOKENS for p in prefix) / len(prefix),
+    }
+
+
+@pytest.mark.slow
+def test_fixture_int4_build_agrees_with_bf16(tmp_path: Path) -> None:
+    if not (FIXTURE_DIR / "model.safetensors").is_file():
+        pytest.skip("the fixture model is not trained yet (workers/fixture/model.safetensors)")
+    # The fixture's intermediate size (688) is no multiple of 32: down_proj stays bf16.
+    assert quantize_tool.main([str(FIXTURE_DIR), str(tmp_path / "int4"), "--group-size", "32",
+                               "--ignore", r"re:.*mlp\.down_proj"]) == 0
+    agreement = fixture_agreement(FIXTURE_DIR, tmp_path / "int4")
+    assert agreement["teacher_forced"] >= MIN_TEACHER_FORCED_AGREEMENT, agreement
