@@ -1,5 +1,5 @@
-"""Triton helpers shared by the kernels: rounding and `tl.dot` that also hold under the CPU
-interpreter with bf16.
+"""Helpers shared by the kernels: the device's SM count, and rounding and `tl.dot` that also
+hold under the CPU interpreter with bf16.
 
 Triton 3.9's interpreter (TRITON_INTERPRET=1) stores bf16 as uint16 and gets two things wrong
 that the GPU gets right: `tl.dot` on bf16 multiplies the bit patterns as integers, and fp32 ->
@@ -10,6 +10,8 @@ compute the GPU's result by other means, so the interpreter tests check the GPU'
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,18 @@ import triton.language as tl
 def needs_bf16_emulation(t: torch.Tensor) -> bool:
     """True for bf16 operands off CUDA, i.e. under the interpreter (see module docstring)."""
     return t.device.type != "cuda" and t.dtype == torch.bfloat16
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; an H200's 132 under the CPU interpreter."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
 
 
 @triton.jit

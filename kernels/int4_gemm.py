@@ -35,7 +35,6 @@ keeps its tensors that way; the checkpoint's K-contiguous layout works too.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import device_num_sms, dot_acc, needs_bf16_emulation, round_to
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -220,18 +219,6 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Gemm
     while split_k * 2 <= min(16, k_blocks) and tiles * split_k * 2 <= 2 * num_sms:
         split_k *= 2
     return GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device`; an H200's 132 under the CPU interpreter."""
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 132
 
 
 def _max_offset(t: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import device_num_sms, dot_acc, needs_bf16_emulation, round_to
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per query row
 MAX_KV_SPLITS = 16
@@ -279,9 +279,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_m = min(64, max(16, triton.next_power_of_2(max_query_len * group)))
     num_m_blocks = triton.cdiv(max_query_len * group, block_m)
     num_programs = num_seqs * num_kv_heads * num_m_blocks
-    splits = num_kv_splits or (choose_num_kv_splits(
-        num_programs, max_seq_len, torch.cuda.get_device_properties(q.device).multi_processor_count)
-        if q.is_cuda else 1)
+    splits = num_kv_splits or (choose_num_kv_splits(num_programs, max_seq_len,
+                                                    device_num_sms(q.device))
+                               if q.is_cuda else 1)
     out = torch.empty_like(q)
     if q.shape[0] == 0 or num_seqs == 0:
         return out

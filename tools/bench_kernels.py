@@ -63,13 +63,8 @@ def _gemm_operands(k: int, n: int, m: int) -> tuple[torch.Tensor, ...]:
 def bench_gemm(k: int, n: int, m: int) -> dict[str, float]:
     """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
     checkpoint's K-contiguous layout passed as is."""
-    from specd.kernels.int4_gemm import (
-        choose_config,
-        column_major,
-        device_num_sms,
-        int4_gemm,
-        int4_gemm_ref,
-    )
+    from specd.kernels.common import device_num_sms
+    from specd.kernels.int4_gemm import choose_config, column_major, int4_gemm, int4_gemm_ref
 
     x, weight, packed_k, scale_k = _gemm_operands(k, n, m)
     packed, scale = column_major(packed_k), column_major(scale_k)
