@@ -59,7 +59,10 @@ def _json_option(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _emit_json(value: Any) -> None:
-    click.echo(json.dumps(msgspec.to_builtins(value, enc_hook=str), indent=None))
+    """One JSON line; Structs (array-like on the wire) become objects with field names."""
+    if isinstance(value, msgspec.Struct):
+        value = msgspec.structs.asdict(value)
+    click.echo(json.dumps(msgspec.to_builtins(value, enc_hook=str)))
 
 
 def _run(action: Callable[[], T]) -> T:
@@ -350,3 +353,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
                 click.echo(f"      -> {r.advice}")
     if not all(r.ok for r in results):
         sys.exit(EXIT_DOCTOR_PROBLEM)
+
+
+if __name__ == "__main__":
+    cli()
