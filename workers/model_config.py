@@ -114,6 +114,9 @@ class ModelConfig:
         # Qwen2 always biases q/k/v; Llama and Qwen3 bias q/k/v/o with `attention_bias`.
         biased = attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
         rope_theta, rope_scaling = _rope(raw, where)
+        activation = raw.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"{where}: hidden_act {activation!r} is not supported (only silu)")
         return cls(
             model_dir=model_dir,
             architecture=architecture,
@@ -174,6 +177,9 @@ def _rope(raw: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (only 1.0)")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{where}: unsupported rope type {rope_type!r}; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

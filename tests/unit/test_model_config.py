@@ -100,6 +100,8 @@ def test_quantization_config_is_kept_raw(tmp_path: Path) -> None:
     ({"architectures": []}, "unsupported architecture None"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ({"vocab_size": None}, "vocab_size must be a positive integer"),
 ])
 def test_bad_configs_name_the_field(tmp_path: Path, change: dict[str, Any], message: str) -> None:
