@@ -84,3 +84,35 @@ def test_socket_file_outlives_the_service_runtime_directory(unit_dir: Path) -> N
     for name in " ".join(runtime_dirs).split():
         assert not listen.is_relative_to(Path("/run") / name)
     assert "\nRuntimeDirectoryPreserve=" not in service  # not needed, so not set
+
+
+@pytest.mark.skipif(shutil.which("specd") is None, reason="the specd entry point is not installed")
+def test_exec_start_flags_are_the_daemons_own(tmp_path: Path) -> None:
+    # ExecStart with the env file expanded as systemd does (${X}: one word, $X: split on
+    # whitespace) must parse as a specd command line; --help stops before anything starts.
+    model = tmp_path / "model"
+    draft = tmp_path / "draft"
+    model.mkdir()
+    draft.mkdir()
+    specd_bin = str(shutil.which("specd"))
+    result = CliRunner().invoke(install_service, [
+        "--model", str(model), "--draft", str(draft), "--specd-bin", specd_bin,
+        "--prefix", str(tmp_path / "root"), "--extra-args", "--max-num-seqs 8"])
+    assert result.exit_code == 0, result.output
+    etc = tmp_path / "root" / "etc"
+    service = (etc / "systemd" / "system" / "specd.service").read_text()
+    env = dict(re.findall(r"^(\w+)=(.*)$", (etc / "specd" / "specd.env").read_text(),
+                          re.MULTILINE))
+    exec_start = re.findall(r"^ExecStart=(.+)$", service, re.MULTILINE)[0]
+    argv: list[str] = []
+    for word in exec_start.split():
+        if word.startswith("${"):
+            argv.append(env[word[2:-1]])
+        elif word.startswith("$"):
+            argv.extend(env[word[1:]].split())
+        else:
+            argv.append(word)
+    assert argv[:3] == [specd_bin, "--model", str(model)]
+    assert "--draft-model" in argv and "--device" in argv
+    run = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
