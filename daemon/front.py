@@ -95,7 +95,7 @@ class Front:
         self._done = asyncio.Event()
         self.scheduler = SchedulerHandle(config.engine, config.runtime_base_dir)
         log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
-                  pid=self.scheduler.pid, code_version=self.code_version)
+                  scheduler_pid=self.scheduler.pid, code_version=self.code_version)
 
     # ---- lifecycle ---------------------------------------------------------------------
 

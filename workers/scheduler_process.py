@@ -136,6 +136,9 @@ def start_engine(config_json: str, io: LinkIO) -> EngineCore:
         io.send(m.StartupStage(stage))
         from specd.workers.engine import EngineCore
 
+        # Hash the sources right after importing them: the version of the code we run.
+        code_version = provenance.code_version()
+
         stage = "load"
         io.send(m.StartupStage(stage))
         core = EngineCore(config)
@@ -147,7 +150,7 @@ def start_engine(config_json: str, io: LinkIO) -> EngineCore:
         stage = "ready"
         io.send(m.Ready(
             resolved=msgspec.to_builtins(dataclasses.asdict(core.resolved)),
-            code_version=provenance.code_version(),
+            code_version=code_version,
             modules=provenance.imported_modules(),
             packages=provenance.package_versions(),
             pid=os.getpid(),
