@@ -26,7 +26,8 @@ Two kernels, chosen by `choose_config` from M and the shape, never by the caller
   dequantizing each weight tile in registers.
 
 Both read each packed word once per nibble position (eight loads of the same word hit L1);
-BLOCK_K divides group_size, so one scale per output column covers a whole K block. The kernels
+when BLOCK_K divides group_size one scale per output column covers a K block, otherwise each K
+row reads its group's scale. K is masked to its length, so any BLOCK_K works. The kernels
 take any strides; they read fastest when `weight_packed` and `weight_scale` are stored
 N-contiguous (`column_major`: the same [N, X] values, stride (1, N)), because a warp then reads
 consecutive output columns of one packed row, as GPTQ/AWQ-layout kernels do. `Int4Linear`
@@ -93,17 +94,26 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
-                  stride_sg, k0, GROUP_SIZE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                  EMULATE: tl.constexpr):
-    """Weights W[offs_n, offs_k] transposed to a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE.
-    k0 (the tile's first K) is a multiple of BLOCK_K, which divides GROUP_SIZE: one scale per n."""
+def _dequant_tile(w_ptr, s_ptr, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                  stride_sg, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE (zeros past K or N).
+
+    k0 is a multiple of BLOCK_K. When BLOCK_K divides GROUP_SIZE the tile lies in one group:
+    one scale per column; otherwise each K row reads its group's scale (repeats hit L1).
+    """
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k[:, None] < K) & mask_n[None, :]
     words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k[:, None] // 8) * stride_wk,
-                    mask=mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N] int32
+                    mask=mask, other=0)  # [BLOCK_K, BLOCK_N] int32, each word read 8 times
     q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
-    scale = tl.load(s_ptr + offs_n * stride_sn + (k0 // GROUP_SIZE) * stride_sg,
-                    mask=mask_n, other=0.0)  # [BLOCK_N]
-    return round_to(q.to(tl.float32) * scale.to(tl.float32)[None, :], OUT_DTYPE, EMULATE)
+    if BLOCK_K <= GROUP_SIZE:
+        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn + (k0 // GROUP_SIZE) * stride_sg,
+                        mask=mask_n[None, :], other=0.0)  # [1, BLOCK_N]
+    else:
+        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn
+                        + (offs_k[:, None] // GROUP_SIZE) * stride_sg, mask=mask, other=0.0)
+    return round_to(q.to(tl.float32) * scale.to(tl.float32), OUT_DTYPE, EMULATE)
 
 
 @triton.jit
@@ -119,17 +129,18 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
     act_dtype = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_kb = tl.arange(0, BLOCK_K)
     kb_start = pid_k * k_blocks_per_split
-    kb_end = tl.minimum(kb_start + k_blocks_per_split, K // BLOCK_K)
+    kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
     if BLOCK_M == 1:
         # GEMV: [BLOCK_K] activations broadcast against the [BLOCK_K, BLOCK_N] weight slab.
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
-            offs_k = kb * BLOCK_K + offs_kb
-            w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
-                              stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk)  # [BLOCK_K]
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                              stride_wk, stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype,
+                              EMULATE)
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=offs_k < K,
+                        other=0.0)  # [BLOCK_K]
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None], axis=0)
         out = out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n * stride_on
         tl.store(out, round_to(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
@@ -138,11 +149,12 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
         mask_m = offs_m < M
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
-            offs_k = kb * BLOCK_K + offs_kb
-            w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
-                              stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                              stride_wk, stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype,
+                              EMULATE)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+                        mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             acc2 = dot_acc(x, w, acc2, EMULATE)
         out = (out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
                + offs_n[None, :] * stride_on)
@@ -170,14 +182,13 @@ def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):
-        offs_k = kb * BLOCK_K + offs_kb
-        w = _dequant_tile(w_ptr, s_ptr, offs_k, offs_n, mask_n, stride_wn, stride_wk,
-                          stride_sn, stride_sg, kb * BLOCK_K, GROUP_SIZE, act_dtype, EMULATE)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
+                          stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype, EMULATE)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None], other=0.0)
+                    mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = dot_acc(x, w, acc, EMULATE)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out, round_to(acc, out_ptr.dtype.element_ty, EMULATE),
@@ -204,19 +215,23 @@ class GemmConfig:
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> GemmConfig:
     """The launch configuration for x [m, k] @ W [n, k].T: split-K for m <= 64, tiled above.
 
-    Split-K spreads the K loop over enough programs to cover ~2 waves of `num_sms` when the
-    (M, N) tiles alone are too few, which is the decode case on wide GPUs.
+    Small M is bound by reading the weights once, which needs about two programs per SM in
+    flight: BLOCK_N shrinks (128, 64, 32) until the N tiles reach 2 * num_sms, and only if
+    they still fall short (narrow layers) is K split, since splits cost an fp32 reduction.
+    Untuned guesses until tools/bench_kernels.py --sweep has run on the GPU.
     """
-    block_k = min(group_size, 64)
     if m > SPLIT_K_MAX_M:
         block_m = 64 if m <= 128 else 128
-        return GemmConfig("tiled", block_m, 128, block_k, num_warps=8 if block_m == 128 else 4)
+        return GemmConfig("tiled", block_m, 128, 64, num_warps=8 if block_m == 128 else 4)
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    block_n = 128 if m == 1 else 64
-    tiles = triton.cdiv(n, block_n) * (m if block_m == 1 else triton.cdiv(m, block_m))
-    k_blocks = k // block_k
+    block_k = 128 if m == 1 else 64
+    m_tiles = m if block_m == 1 else triton.cdiv(m, block_m)
+    target = 2 * num_sms
+    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) * m_tiles >= target), 32)
+    tiles = triton.cdiv(n, block_n) * m_tiles
+    k_blocks = triton.cdiv(k, block_k)
     split_k = 1
-    while split_k * 2 <= min(16, k_blocks) and tiles * split_k * 2 <= 2 * num_sms:
+    while split_k * 2 <= min(16, k_blocks) and tiles * split_k < target:
         split_k *= 2
     return GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
 
@@ -266,9 +281,8 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
     m, k = x.shape
     n = weight_packed.shape[0]
     cfg = config or choose_config(m, n, k, group_size, device_num_sms(x.device))
-    if group_size % cfg.block_k or cfg.block_k % PACK_FACTOR:
-        raise ValueError(f"block_k {cfg.block_k} must divide group_size {group_size} and be a "
-                         "multiple of 8")
+    if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {cfg.block_k}")
     emulate = needs_bf16_emulation(x)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -282,8 +296,7 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EMULATE=emulate, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
         return out
-    k_blocks = k // cfg.block_k
-    k_blocks_per_split = triton.cdiv(k_blocks, cfg.split_k)
+    k_blocks_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
     # One split writes y directly; several write fp32 partials [split_k, M, N] summed below.
     partial = out.unsqueeze(0) if cfg.split_k == 1 else torch.empty(
         (cfg.split_k, m, n), dtype=torch.float32, device=x.device)

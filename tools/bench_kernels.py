@@ -97,11 +97,10 @@ def sweep_gemm(k: int, n: int, m: int) -> list[dict[str, Any]]:
     packed, scale = column_major(packed_k), column_major(scale_k)
     block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
     rows = []
-    for block_n in (64, 128, 256):
-        for split_k in (1, 4, 16):
-            for num_warps in (4, 8):
-                cfg = GemmConfig("splitk", block_m, block_n, 32, split_k=split_k,
-                                 num_warps=num_warps)
+    for block_n in (32, 64, 128):
+        for block_k in (32, 128):
+            for split_k in (1, 2, 4, 8):
+                cfg = GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
                 t = bench_ms(lambda c=cfg: int4_gemm(x, packed, scale, GROUP_SIZE, config=c))
                 rows.append({"m": m, "k": k, "n": n, "config": _config_name(cfg),
                              "int4_us": t * 1e3})
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench_kernels.json"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time 18 split-K configurations at M = 1, 16, 64 on two "
+                        help="also time 24 split-K configurations at M = 1, 16, 64 on two "
                              "shapes (tuning data for choose_config)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

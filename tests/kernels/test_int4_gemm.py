@@ -82,12 +82,21 @@ def test_column_major_weights_as_int4linear_stores_them(m: int) -> None:
     assert torch.equal(y, int4_gemm(x, packed, scale, 64))  # layout never changes the sums
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_explicit_split_k_agrees(split_k: int) -> None:
-    """Uneven splits (3 over 4 K blocks leaves one split empty) still sum to the product."""
-    _, packed, scale = _random_int4(19, 128, 32, seed=3)
-    x = torch.randn(6, 128).to(torch.bfloat16)
-    cfg = GemmConfig("splitk", block_m=16, block_n=16, block_k=32, split_k=split_k)
+@pytest.mark.parametrize(("m", "block_k", "split_k"), [
+    (6, 32, 1), (6, 32, 2),
+    (6, 32, 3),   # 3 splits over 4 K blocks: one split is empty
+    (6, 64, 2),   # a K block spans two groups of 32: per-row scales
+    (1, 128, 1),  # GEMV with a 128-wide K block over K = 96... masked past K
+    (1, 64, 3),
+    (70, 128, 1),  # tiled, K block wider than K
+])
+def test_explicit_configs_agree(m: int, block_k: int, split_k: int) -> None:
+    k = 96 if block_k == 128 else 128
+    _, packed, scale = _random_int4(19, k, 32, seed=3)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    kind = "tiled" if m > 64 else "splitk"
+    block_m = 1 if m == 1 else (64 if m > 64 else 16)
+    cfg = GemmConfig(kind, block_m=block_m, block_n=16, block_k=block_k, split_k=split_k)
     _assert_matches_ref(int4_gemm(x, packed, scale, 32, config=cfg), x, packed, scale, 32)
 
 
@@ -106,18 +115,22 @@ def test_reference_is_dense_product_of_unpacked_weight() -> None:
 
 
 def test_config_choice_by_m_and_shape() -> None:
-    assert choose_config(1, 4096, 4096, 32, 132).block_m == 1
-    assert choose_config(1, 4096, 4096, 32, 132).split_k > 1  # 32 N tiles fill few SMs
+    gemv = choose_config(1, 4096, 4096, 32, 132)
+    assert (gemv.block_m, gemv.block_n, gemv.split_k) == (1, 32, 4)  # 128 tiles < 264
+    wide = choose_config(1, 14336, 4096, 32, 132)
+    assert (wide.block_n, wide.split_k) == (32, 1)  # 448 tiles fill the GPU unsplit
+    assert choose_config(1, 65536, 4096, 32, 132).block_n == 128
+    assert choose_config(1, 2048, 7168, 32, 132).split_k == 8  # a narrow Kimi expert
     assert choose_config(16, 4096, 4096, 128, 132).kind == "splitk"
     assert choose_config(64, 14336, 4096, 32, 132).kind == "splitk"
     assert choose_config(65, 4096, 4096, 32, 132).kind == "tiled"
-    assert choose_config(1, 65536, 4096, 32, 132).split_k == 1  # enough N tiles already
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"group_size": 48}, "group_size must be one of"),
     ({"x": torch.randn(2, 96)}, "float16/bfloat16"),
     ({"x": torch.randn(2, 80).bfloat16()}, "does not divide"),
+    ({"config": GemmConfig("splitk", 16, 16, 24)}, "block_k must be a power of two"),
     ({"weight_packed": torch.zeros(7, 12, dtype=torch.int64)}, "weight_packed must be int32"),
     ({"weight_packed": torch.zeros(7, 11, dtype=torch.int32)}, "weight_packed must be int32"),
     ({"weight_scale": torch.ones(7, 2).bfloat16()}, "weight_scale must be"),
