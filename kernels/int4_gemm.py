@@ -215,10 +215,10 @@ class GemmConfig:
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> GemmConfig:
     """The launch configuration for x [m, k] @ W [n, k].T: split-K for m <= 64, tiled above.
 
-    Small M is bound by reading the weights once, which needs about two programs per SM in
-    flight: BLOCK_N shrinks (128, 64, 32) until the N tiles reach 2 * num_sms, and only if
-    they still fall short (narrow layers) is K split, since splits cost an fp32 reduction.
-    Untuned guesses until tools/bench_kernels.py --sweep has run on the GPU.
+    Small M is bound by reading the weights once, which wants about two programs per SM in
+    flight: BLOCK_N shrinks (128, 64, 32, 16) until the N tiles reach 2 * num_sms; only when
+    they leave SMs idle (narrow layers) is K split, since splits cost an fp32 reduction (two
+    more launches). Untuned guesses until tools/bench_kernels.py --sweep has run on the GPU.
     """
     if m > SPLIT_K_MAX_M:
         block_m = 64 if m <= 128 else 128
@@ -227,11 +227,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Gemm
     block_k = 128 if m == 1 else 64
     m_tiles = m if block_m == 1 else triton.cdiv(m, block_m)
     target = 2 * num_sms
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) * m_tiles >= target), 32)
+    block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) * m_tiles >= target), 16)
     tiles = triton.cdiv(n, block_n) * m_tiles
     k_blocks = triton.cdiv(k, block_k)
     split_k = 1
-    while split_k * 2 <= min(16, k_blocks) and tiles * split_k < target:
+    while split_k * 2 <= min(16, k_blocks) and tiles * split_k < num_sms:
         split_k *= 2
     return GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
 

@@ -97,7 +97,7 @@ def sweep_gemm(k: int, n: int, m: int) -> list[dict[str, Any]]:
     packed, scale = column_major(packed_k), column_major(scale_k)
     block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
     rows = []
-    for block_n in (32, 64, 128):
+    for block_n in (16, 32, 64, 128):
         for block_k in (32, 128):
             for split_k in (1, 2, 4, 8):
                 cfg = GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench_kernels.json"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time 24 split-K configurations at M = 1, 16, 64 on two "
+                        help="also time 32 split-K configurations at M = 1, 16, 64 on two "
                              "shapes (tuning data for choose_config)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
