@@ -31,7 +31,7 @@ NEW_TOKENS = 12
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("daemon")
     d = Daemon(tmp, "--max-pending-requests", "8", "--frame-timeout-s", "1",
-               "--max-frame-bytes", "65536").wait_ready()
+               "--max-frame-bytes", "65536", "--write-buffer-bytes", "262144").wait_ready()
     yield d
     d.stop()
 
@@ -202,6 +202,18 @@ def test_half_a_frame_then_silence_times_out(daemon: Daemon) -> None:
     _assert_serves(daemon)
 
 
+def test_a_client_that_stops_reading_is_cut_off_and_costs_nobody(daemon: Daemon) -> None:
+    with _raw(daemon) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        for i in range(400):  # ~10 KB status replies that are never read
+            sock.sendall(_frame({"type": "status", "id": i}))
+        deadline = time.monotonic() + 10
+        while not daemon.events("slow_reader") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.events("slow_reader")
+        _assert_serves(daemon)
+
+
 def _engine_stats(daemon: Daemon) -> dict[str, int]:
     with daemon.client() as client:
         return client.stats()["engine"]
@@ -253,6 +265,24 @@ def test_status_reports_provenance_of_both_processes(daemon: Daemon) -> None:
     assert "specd.workers.engine" in scheduler["modules"]
     assert "specd.workers.engine" not in front["modules"]
     assert "torch" in scheduler["packages"]
+
+
+def test_specd_help_documents_every_option() -> None:
+    import dataclasses
+
+    from specd.daemon.config import DaemonConfig
+    from specd.daemon.main import DAEMON_HELP, ENGINE_HELP
+    from specd.workers.config import EngineConfig
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    daemon_fields = {f.name for f in dataclasses.fields(DaemonConfig)} - {"engine"}
+    assert engine_fields <= set(ENGINE_HELP), "add help for new EngineConfig fields"
+    assert daemon_fields <= set(DAEMON_HELP), "add help for new DaemonConfig fields"
+    out = subprocess.run([sys.executable, "-m", "specd.daemon.main", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for name in engine_fields | daemon_fields - {"socket_path"}:
+        assert "--" + name.replace("_", "-") in out
+    assert "--socket " in out
 
 
 def _specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
