@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from specd.daemon.activation import SocketInUseError, bind_unix_socket, listening_socket_from_env
 
 # Runs in a child: move the inherited descriptor to fd 3, set LISTEN_PID to the child's own

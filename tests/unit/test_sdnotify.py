@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from specd.daemon import sdnotify
 from specd.daemon.sdnotify import Notifier, child_environ
 
