@@ -14,6 +14,7 @@ moves logits by 1e-2 or more).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,31 @@ def test_int4_checkpoint_runs_like_compressed_tensors_decompression(int4_dir: Pa
             torch.testing.assert_close(got[0], _oracle_logits(hf, seq.all_token_ids)[-1],
                                        atol=ATOL, rtol=0)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="TRITON_INTERPRET=1: set TRITON_INTERPRET=0 to compile for the GPU")
+def test_int4_model_on_cuda_matches_the_cpu_path(int4_dir: Path) -> None:
+    """On CUDA the INT4 layers run the Triton GEMM and attention the Triton tree kernel, in
+    bf16; the CPU runs the torch references in fp32. bf16 activations through two layers
+    move logits of size ~1 by a few 1e-2, while a wrong kernel moves them by O(1)."""
+    runners = [ModelRunner(EngineConfig(model=str(int4_dir), device=device, dtype=dtype,
+                                        block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS))
+               for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16"))]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(97, (n,), generator=gen).tolist() for n in (13, 1, 6)]
+    outputs = []
+    for runner in runners:
+        seqs = [Sequence(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+        blocks = Blocks(runner)
+        steps = [torch.cat(_run_step(runner, [(s, s.num_tokens) for s in seqs], blocks))]
+        for step in range(3):
+            for i, seq in enumerate(seqs):
+                seq.output_token_ids.append((3 * step + 7 * i) % 97)
+            steps.append(torch.cat(_run_step(runner, [(s, 1) for s in seqs], blocks)))
+        outputs.append(torch.cat(steps).float().cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0.1, rtol=0.05)
 
 # ----------------------------------------------------------------------------- the fixture
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.kernels.int4_gemm import int4_gemm, int4_gemm_ref
+from specd.kernels.int4_gemm import column_major, int4_gemm, int4_gemm_ref
 from specd.kernels.tree_attention import tree_attention, tree_attention_ref
 from specd.workers.quantization import quantize_rtn
 
@@ -36,10 +36,14 @@ def _bench_ms(fn: Callable[[], object]) -> float:
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65, 300])
 @pytest.mark.parametrize(("k", "n", "group_size"), [(4096, 14336, 32), (7168, 2048, 32),
                                                     (2048, 7168, 128), (4096, 4104, 64)])
-def test_int4_gemm_matches_reference_on_gpu(m: int, k: int, n: int, group_size: int) -> None:
+@pytest.mark.parametrize("layout", ["checkpoint", "column_major"])
+def test_int4_gemm_matches_reference_on_gpu(m: int, k: int, n: int, group_size: int,
+                                            layout: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
     packed, scale = quantize_rtn(weight, group_size)
+    if layout == "column_major":  # as Int4Linear stores them
+        packed, scale = column_major(packed), column_major(scale)
     x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     # Same values, different fp32 summation order: one output ulp, plus fp32 drift over K.
     torch.testing.assert_close(int4_gemm(x, packed, scale, group_size).float(),
@@ -51,6 +55,7 @@ def test_int4_gemv_is_at_least_twice_bf16() -> None:
     k, n = 4096, 14336
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     packed, scale = quantize_rtn(weight, 32)
+    packed, scale = column_major(packed), column_major(scale)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     t_int4 = _bench_ms(lambda: int4_gemm(x, packed, scale, 32))
     t_bf16 = _bench_ms(lambda: torch.matmul(x, weight.t()))
