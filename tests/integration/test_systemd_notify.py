@@ -311,6 +311,7 @@ def test_watchdog_pings_stop_while_the_scheduler_hangs(daemons: list[Daemon], tm
     daemon = start(daemons, tmp_path, model_dir, "--hang-timeout-s", str(hang_timeout),
                    watchdog_usec=400_000)  # a ping every 0.2 s while healthy
     daemon.wait_ready()
+    daemon.recorder.wait_for("WATCHDOG=1", 5, daemon.process)
     scheduler = daemon.scheduler_pid()
     client = Client(daemon.socket_path)
     client.generate(1, max_tokens=400)
@@ -345,6 +346,19 @@ def test_bad_model_path_exits_78_without_ready(daemons: list[Daemon], tmp_path: 
     assert re.fullmatch(r"STATUS=FAILED: cannot load the tokenizer: .*no-such-model.*",
                         messages[-1])
     assert "READY=1" not in messages
+
+
+def test_socket_served_by_a_live_daemon_exits_78(daemons: list[Daemon], tmp_path: Path,
+                                                  model_dir: Path) -> None:
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(tmp_path / "specd.sock"))
+    live.listen()
+    daemon = start(daemons, tmp_path, model_dir)
+    assert daemon.wait_exit() == 78
+    assert re.fullmatch(r"STATUS=FAILED: cannot listen on .*another process answers.*",
+                        daemon.recorder.messages[-1])
+    assert (tmp_path / "specd.sock").exists()  # the other daemon's socket is left alone
+    live.close()
 
 
 def test_model_that_cannot_load_exits_78(daemons: list[Daemon], tmp_path: Path,
