@@ -1,0 +1,301 @@
+"""The engine: `EngineCore` (step-level, driven by the scheduler process) and `Engine`
+(the in-process API).
+
+One step reads `schedule -> execute -> update`; features (the speculative worker, the
+controller) are objects behind `execute`, not branches in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specd.daemon.tokenizer import Tokenizer
+from specd.ipc.sampling import SamplingParams
+from specd.workers.batch import TokenLogprobs
+from specd.workers.config import EngineConfig, EngineResolved
+from specd.workers.model_config import ModelConfig
+from specd.workers.model_runner import ModelRunner
+from specd.workers.scheduler import Scheduler
+from specd.workers.sequence import Sequence as Seq
+
+log = logging.getLogger("specd.engine")
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step produced for one request. Figures are cumulative for the request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs]
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for status, stats and `specctl top`."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_steps: int
+    num_generated_tokens: int
+    num_preemptions: int
+    spec_mode: str
+    spec_active: bool
+    num_drafted: int
+    num_accepted: int
+
+
+class EngineCore:
+    """Scheduler + model runner. Built whole or not at all (construction raises)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_path)
+        self.runner = ModelRunner(config, self.model_config)
+        self.max_model_len = _max_model_len(config, self.model_config, self.runner.num_kv_blocks)
+        self.scheduler = Scheduler(
+            config, self.runner.num_kv_blocks, self.max_model_len, self.model_config.eos_token_ids
+        )
+        self.resolved = EngineResolved(
+            model_name=config.model_path.name,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            dtype=config.torch_dtype_name,
+            device=config.device,
+            eos_token_ids=self.model_config.eos_token_ids,
+            speculative=False,
+        )
+        # request id -> number of output tokens already reported in a delta
+        self._num_emitted: dict[str, int] = {}
+        self._num_steps = 0
+        self._num_generated = 0
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        """Queue a request. ValueError for a duplicate id, an empty or too-long prompt, or
+        token ids outside the vocabulary."""
+        if request_id in self._num_emitted:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model allows at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        self.scheduler.add(Seq(request_id, prompt_token_ids, sampling))
+        self._num_emitted[request_id] = 0
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request; False if it is unknown or already done."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        """One engine step: schedule -> execute -> update. Returns a delta per request that
+        got tokens or finished."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        output = self.runner.execute(batch)
+        updated = self.scheduler.update(batch, output)
+        self._num_steps += 1
+        return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
+
+    def _delta(self, seq: Seq, logprobs: list[TokenLogprobs]) -> RequestDelta:
+        start = self._num_emitted.get(seq.request_id, 0)
+        new = seq.output_token_ids[start:]
+        self._num_emitted[seq.request_id] = seq.num_output_tokens
+        self._num_generated += len(new)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        if seq.is_finished:
+            self._forget(seq.request_id)
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs[: len(new)],
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._num_emitted.pop(request_id, None)
+        self.runner.release(request_id)
+
+    def warmup(self) -> None:
+        """Run every path once (prefill, decode, sampling) so the first request pays nothing."""
+        ids = [1, 2, 3]
+        for i, params in enumerate((SamplingParams(max_tokens=2),
+                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9))):
+            self.add_request(f"__warmup{i}", ids, params)
+        while self.has_unfinished():
+            self.step()
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            num_free_kv_blocks=blocks.num_free_blocks,
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated,
+            num_preemptions=self.scheduler.stats().num_preemptions,
+            spec_mode="off",
+            spec_active=False,
+            num_drafted=0,
+            num_accepted=0,
+        )
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
+    """The longest sequence served: the configured value, else the model's limit capped by
+    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
+    limit = model_config.max_model_len
+    capacity = num_kv_blocks * config.block_size
+    if config.max_model_len is None:
+        if capacity < limit:
+            log.info("max_model_len capped by the KV cache", extra={
+                "event": "max_model_len_capped", "max_position_embeddings": limit,
+                "kv_capacity_tokens": capacity})
+        return min(limit, capacity)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"limit {limit}")
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the KV cache's capacity of "
+            f"{capacity} tokens ({num_kv_blocks} blocks of {config.block_size}); raise "
+            "kv_cache_memory_bytes or lower max_model_len")
+    return config.max_model_len
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One prompt's result from `Engine.generate`."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class Engine:
+    """In-process API: `Engine(model=None, **options).generate(prompts, sampling)`.
+
+    `model=None` serves the embedded fixture model; option names are EngineConfig fields,
+    which match the daemon's CLI flags.
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        self.config = EngineConfig(model=model, **options)
+        # Token-id prompts work without a tokenizer (tiny test models have none).
+        has_tokenizer = (self.config.model_path / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(self.config.model_path) if has_tokenizer else None
+        self.core = EngineCore(self.config)
+        self._next_id = 0
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model_path} has no tokenizer.json: "
+                                 "pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise TypeError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def _add(self, prompt: str | list[int], sampling: SamplingParams) -> tuple[str, list[int]]:
+        request_id = f"req-{self._next_id}"
+        self._next_id += 1
+        ids = self._prompt_ids(prompt)
+        self.core.add_request(request_id, ids, sampling)
+        return request_id, ids
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
+        """Generate for every prompt (strings or token-id lists), all batched together.
+        `sampling` is one SamplingParams for all prompts or one per prompt."""
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings or of token-id lists")
+        params = _per_prompt(sampling, len(prompts))
+        order: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id, ids = self._add(prompt, p)
+            order.append(request_id)
+            prompt_ids[request_id] = ids
+            tokens[request_id] = []
+        while self.core.has_unfinished():
+            for delta in self.core.step():
+                tokens[delta.request_id].extend(delta.new_token_ids)
+                if delta.finish_reason is not None:
+                    reasons[delta.request_id] = delta.finish_reason
+        return [GenerateOutput(prompt_ids[r], tokens[r], self.decode(tokens[r]), reasons[r])
+                for r in order]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`; empty when the model directory has no tokenizer."""
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None
+               ) -> Iterator[list[int]]:
+        """Yield each step's new token ids for one prompt (for `specctl generate --local`)."""
+        request_id, _ = self._add(prompt, sampling or SamplingParams())
+        done = False
+        try:
+            while not done and self.core.has_unfinished():
+                for delta in self.core.step():
+                    if delta.request_id != request_id:
+                        continue
+                    done = delta.finish_reason is not None
+                    if delta.new_token_ids:
+                        yield delta.new_token_ids
+        finally:
+            if not done:
+                self.core.abort_request(request_id)
+
+
+def _per_prompt(
+    sampling: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    params = list(sampling)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
