@@ -132,8 +132,9 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
     kb_start = pid_k * k_blocks_per_split
     kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
     if BLOCK_M == 1:
-        # GEMV: [BLOCK_K] activations broadcast against the [BLOCK_K, BLOCK_N] weight slab.
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # GEMV: [BLOCK_K] activations broadcast against the [BLOCK_K, BLOCK_N] weight slab,
+        # accumulated elementwise and reduced over K once at the end (no per-step shuffles).
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
@@ -141,9 +142,10 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
                               EMULATE)
             x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=offs_k < K,
                         other=0.0)  # [BLOCK_K]
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None], axis=0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[:, None]
         out = out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n * stride_on
-        tl.store(out, round_to(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
+        tl.store(out, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty, EMULATE),
+                 mask=mask_n)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -224,10 +226,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Gemm
         block_m = 64 if m <= 128 else 128
         return GemmConfig("tiled", block_m, 128, 64, num_warps=8 if block_m == 128 else 4)
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    block_k = 128 if m == 1 else 64
     m_tiles = m if block_m == 1 else triton.cdiv(m, block_m)
     target = 2 * num_sms
     block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) * m_tiles >= target), 16)
+    # The GEMV keeps a [BLOCK_K, BLOCK_N] fp32 accumulator: at most 4096 (32 per thread).
+    block_k = 64 if m > 1 else min(128, 4096 // block_n)
     tiles = triton.cdiv(n, block_n) * m_tiles
     k_blocks = triton.cdiv(k, block_k)
     split_k = 1
