@@ -4,18 +4,18 @@
 
 The target runs in transformers (KV cache, tree mask as a 4D attention mask); the head runs
 its dense forward over the whole draft sequence each step (`DraftHead.forward_dense`), with
-the tree bookkeeping and greedy acceptance of `specd.workers.spec`. Prompts are windows of the
-held-out files (`heldout_files.txt` beside the target). For every configuration
-"steps,topk,draft_tokens" it prints the acceptance length (emitted tokens per verify pass =
-accepted drafts + 1), the acceptance rate per draft depth, and checks that the output equals
-plain greedy decoding token for token. Writes the figures as JSON with --json.
+the tree bookkeeping and greedy acceptance of `specd.workers.spec`. Prompts are the
+benchmark's held-out prompts (workers/fixture/heldout_prompts.jsonl, never trained on).
+For every configuration "steps,topk,draft_tokens" it prints the acceptance length
+(emitted tokens per verify pass = accepted drafts + 1), the acceptance rate per draft depth,
+and checks that the output equals plain greedy decoding token for token. --json writes
+the figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -28,26 +28,18 @@ from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_eagle3 import greedy_continue, load_target  # noqa: E402
-from train_fixture import read_text, stdlib_root  # noqa: E402
+from workload import PROMPTS_FILE, load_prompts  # noqa: E402
 
 
-def heldout_prompts(target_dir: Path, num: int, length: int, seed: int) -> list[list[int]]:
-    """`num` windows of `length` tokens from the held-out files, one window per file."""
+def heldout_prompts(target_dir: Path, num: int) -> list[list[int]]:
+    """`num` of the benchmark's held-out prompts (tools/workload.py), evenly spaced over the
+    set so that they come from many files, as token ids."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    rel = (target_dir / "heldout_files.txt").read_text().split()
-    rng = random.Random(seed)
-    rng.shuffle(rel)
-    prompts = []
-    for name in rel:
-        ids = tok.encode(read_text(stdlib_root() / name)).ids
-        if len(ids) > length + 1:
-            start = rng.randrange(0, len(ids) - length)
-            prompts.append(ids[start: start + length])
-        if len(prompts) == num:
-            break
-    return prompts
+    rows = load_prompts(len(PROMPTS_FILE.read_text().splitlines()))
+    picked = [rows[i * len(rows) // num] for i in range(min(num, len(rows)))]
+    return [tok.encode(text).ids for text in picked]
 
 
 class Simulator:
@@ -152,7 +144,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     target_dir = Path(args.target)
     target = load_target(target_dir, "cpu")
     head = load_draft_head(args.draft, target.get_input_embeddings().weight.detach())
-    prompts = heldout_prompts(target_dir, args.num_prompts, args.prompt_tokens, args.seed)
+    prompts = heldout_prompts(target_dir, args.num_prompts)
     plain = [greedy_continue(target, torch.tensor([p]), args.max_new)[0, len(p):].tolist()
              for p in prompts]
     results = {}
@@ -178,8 +170,7 @@ def evaluate(args: argparse.Namespace) -> dict:
               f"{r['acceptance_length']:.3f} over {r['verify_passes']} passes; by depth "
               f"{' '.join(f'{x:.2f}' for x in depth_rate)}; equals plain greedy: {lossless} "
               f"({r['seconds']}s)", flush=True)
-    return {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
-            "max_new": args.max_new, "results": results}
+    return {"prompts": len(prompts), "max_new": args.max_new, "results": results}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,9 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=["3,1,4", "5,1,6", "5,4,8", "5,4,16"],
                    help="steps,topk,draft_tokens (draft tokens count the root)")
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)

@@ -2,10 +2,12 @@
 
     python tools/train_eagle3.py --target workers/fixture --out workers/fixture/eagle3 --minutes 20
 
-Data. By default (`--data greedy`) prompts are windows of the training text and the target
-continues each greedily: the head then learns the token stream it will see when serving
-greedy requests. `--data text` trains on the text itself. The default corpus is the fixture's
-training files (the stdlib source, held-out files excluded; `train_fixture.corpus_files`).
+Data. By default (`--data greedy`) the target continues prompts greedily: the head then
+learns the token stream it will see when serving greedy requests. Half the prompts end at a
+`def` line (as the benchmark's held-out prompts do, but from training files), half are random
+windows of the training text. `--data text` trains on the text itself. The default corpus
+is the fixture's training files (the stdlib source, held-out files excluded;
+`train_fixture.corpus_files`).
 
 Draft vocabulary: the `--draft-vocab-size` most frequent tokens of the training sequences
 (`d2t`/`t2d`). Target hidden states come from transformers' `output_hidden_states` at the
@@ -37,6 +39,7 @@ from safetensors.torch import save_file
 from specd.workers.spec.draft_model import DraftConfig, DraftHead, resolve_aux_layer_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_prompts import prompts_from_file  # noqa: E402
 from train_fixture import corpus_files, read_text, stdlib_root  # noqa: E402
 
 LOSS_DECAY = 0.8  # weight of unrolled step k is LOSS_DECAY ** k, as in EAGLE-3
@@ -109,6 +112,19 @@ def corpus_ids(tokenizer_path: Path, max_files: int, rng: random.Random) -> torc
     return torch.tensor(ids, dtype=torch.long)
 
 
+def def_prompts(tokenizer_path: Path, length: int, rng: random.Random) -> torch.Tensor:
+    """[n, length]: the last `length` tokens of windows ending at a `def` line, from the
+    training files, in the style of the held-out benchmark prompts (tools/make_prompts.py)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    files, _ = corpus_files(stdlib_root())
+    texts = [t for p in files for t in prompts_from_file(read_text(p), 24, 8)]
+    rows = [enc.ids[-length:] for enc in tok.encode_batch(texts) if len(enc.ids) >= length]
+    rng.shuffle(rows)
+    return torch.tensor(rows, dtype=torch.long)
+
+
 @torch.no_grad()
 def greedy_continue(target, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
     """prompts [B, P] -> [B, P + num_new]: the target's greedy continuation (EOS not special)."""
@@ -159,8 +175,14 @@ def build_data(args: argparse.Namespace, target, stream: torch.Tensor, aux_ids: 
         return TrainData(torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()]),
                          None, None)
     prompt_len = args.prompt_tokens
-    starts = torch.randint(0, len(stream) - prompt_len, (args.num_sequences,), generator=gen)
-    prompts = torch.stack([stream[s: s + prompt_len] for s in starts.tolist()])
+    # Half the prompts end at a def line (as the benchmark's), half are random text windows.
+    num_def = args.num_sequences // 2
+    defs = def_prompts(Path(args.target) / "tokenizer.json", prompt_len,
+                       random.Random(args.seed))[:num_def]
+    num_random = args.num_sequences - len(defs)
+    starts = torch.randint(0, len(stream) - prompt_len, (num_random,), generator=gen)
+    windows = torch.stack([stream[s: s + prompt_len] for s in starts.tolist()])
+    prompts = torch.cat([defs, windows])[torch.randperm(args.num_sequences, generator=gen)]
     tokens, aux, logits, t0 = [], [], [], time.time()
     for i in range(0, len(prompts), args.gen_batch):
         with autocast(args):
