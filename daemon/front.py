@@ -274,8 +274,7 @@ class Front:
         elif isinstance(message, m.RequestRejected):
             request = self.table.get(message.request_id)
             if request is not None:
-                code = "prompt_too_long" if "prompt has" in message.message else "bad_request"
-                self._end_with_error(request, code, message.message, abort=False)
+                self._end_with_error(request, "bad_request", message.message, abort=False)
         elif isinstance(message, m.StartupStage):
             self.scheduler_stage = message.stage
             self.lifecycle.starting(f"scheduler: {message.stage}")

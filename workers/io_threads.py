@@ -56,11 +56,14 @@ class LinkIO:
         """Queue a message for the send thread (never blocks)."""
         self.outbox.put(message)
 
-    def receive_all(self, block: bool) -> list[ToScheduler | LinkFailure]:
-        """Every message waiting now; with block=True waits for at least one."""
+    def receive_all(self, timeout: float | None) -> list[ToScheduler | LinkFailure]:
+        """Every message waiting now; first waits up to `timeout` s (None: forever) for one."""
         messages: list[ToScheduler | LinkFailure] = []
-        if block:
-            messages.append(self.inbox.get())
+        if timeout is None or timeout > 0:
+            try:
+                messages.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return messages
         while True:
             try:
                 messages.append(self.inbox.get_nowait())

@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 PR_SET_PDEATHSIG = 1
 EXIT_STARTUP_FAILED = 78
 EXIT_LOOP_FAILED = 75
-FAILED_WAIT_S = 30.0  # after SchedulerFailed, how long to wait for the front to end us
+FAILED_WAIT_S = 30.0
+HEARTBEAT_S = 0.25  # most time between StepOutputs while steps produce no tokens
+IDLE_WAIT_S = 0.01  # after SchedulerFailed, how long to wait for the front to end us
 
 
 class LinkBroken(RuntimeError):
@@ -84,17 +86,41 @@ class EngineLoop:
         self.io = io
         self.num_steps = 0
         self.is_stopping = False
+        self.last_sent = time.monotonic()
+        self.last_engine_steps = -1
+        self.is_stuck = False  # the last steps scheduled nothing
 
     def run(self) -> None:
         """Until Shutdown: handle every waiting message, then run one step if there is work."""
         while not self.is_stopping:
-            for message in self.io.receive_all(block=not self.core.has_unfinished()):
+            has_work = self.core.has_unfinished()
+            # Block when idle; when a step could not schedule anything, wait a moment for
+            # a message (an abort, say) instead of spinning.
+            timeout = None if not has_work else (IDLE_WAIT_S if self.is_stuck else 0.0)
+            for message in self.io.receive_all(timeout):
                 self.handle(message)
             if self.core.has_unfinished() and not self.is_stopping:
-                deltas = self.core.step()
-                self.num_steps += 1
-                self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas]))
+                self.step()
         self.io.send(m.Stopped())
+
+    def step(self) -> None:
+        """One engine step. Its output goes to the front; a step that produced no tokens
+        (a prefill chunk) still sends a heartbeat now and then, so the front's progress
+        watchdog sees the engine move; a step that scheduled nothing sends nothing."""
+        deltas = self.core.step()
+        self.num_steps += 1
+        now = time.monotonic()
+        if deltas:
+            self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas]))
+            self.last_sent = now
+            self.is_stuck = False
+        elif now - self.last_sent > HEARTBEAT_S:
+            engine_steps = self.core.stats().num_steps
+            self.is_stuck = engine_steps == self.last_engine_steps
+            if not self.is_stuck:
+                self.io.send(m.StepOutput(self.num_steps))
+                self.last_sent = now
+            self.last_engine_steps = engine_steps
 
     def handle(self, message: m.ToScheduler | LinkFailure) -> None:
         if isinstance(message, LinkFailure):
