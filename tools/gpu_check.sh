@@ -44,8 +44,8 @@ print('device', torch.cuda.get_device_name(), torch.cuda.get_device_properties(0
 } 2>&1 | tee -a "$LOG"
 
 say "pytest -m gpu"
-timeout 200 $PY -m pytest -m gpu tests -q -rA -p no:cacheprovider --continue-on-collection-errors \
-    2>&1 | tail -n 80 | tee -a "$LOG"
+timeout 200 $PY -m pytest -m gpu tests -q -rfEs --tb=short -p no:cacheprovider \
+    --continue-on-collection-errors 2>&1 | tee -a "$LOG"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 say "bench_kernels"
@@ -60,7 +60,7 @@ for bench in tools/bench_*.py; do
         continue
     fi
     say "$name"
-    timeout "$(left)" $PY "$bench" --out "$OUT/$name.json" 2>&1 | tail -n 60 | tee -a "$LOG"
+    timeout "$(left)" $PY "$bench" --out "$OUT/$name.json" 2>&1 | tee -a "$LOG"
     echo "$name exit: ${PIPESTATUS[0]}" | tee -a "$LOG"
 done
 say "done"
