@@ -93,7 +93,8 @@ class Front:
         self._tasks: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
         self._done = asyncio.Event()
-        self.scheduler = SchedulerHandle(config.engine, config.runtime_base_dir)
+        self.scheduler = SchedulerHandle(config.engine, config.runtime_base_dir,
+                                         config.log_format, config.log_level)
         log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
                   scheduler_pid=self.scheduler.pid, code_version=self.code_version)
 

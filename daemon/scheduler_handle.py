@@ -33,7 +33,8 @@ from specd.workers.config import EngineConfig
 class SchedulerHandle:
     """A running scheduler process and the two sockets that reach it."""
 
-    def __init__(self, engine: EngineConfig, runtime_base_dir: Path) -> None:
+    def __init__(self, engine: EngineConfig, runtime_base_dir: Path, log_format: str,
+                 log_level: str) -> None:
         runtime_base_dir.mkdir(parents=True, exist_ok=True)
         self.paths = LinkPaths(Path(tempfile.mkdtemp(prefix="link-", dir=runtime_base_dir)))
         self._context = zmq.asyncio.Context()
@@ -46,7 +47,8 @@ class SchedulerHandle:
         self.process = subprocess.Popen(
             [sys.executable, "-P", "-m", "specd.workers.scheduler_process",
              "--link-dir", str(self.paths.runtime_dir), "--parent-pid", str(os.getpid()),
-             "--engine-config", msgspec.json.encode(engine).decode()],
+             "--engine-config", msgspec.json.encode(engine).decode(),
+             "--log-format", log_format, "--log-level", log_level],
             env=child_environ(), stdin=subprocess.DEVNULL, close_fds=True)
         self.pid = self.process.pid
         self._pidfd = os.pidfd_open(self.pid)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from specd.daemon import provenance
+from specd.daemon.logs import setup_logging
 from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkPaths
 from specd.workers.config import EngineConfig
@@ -229,7 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--link-dir", type=Path, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--log-format", default="text")
+    parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    setup_logging(args.log_format, args.log_level)
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
