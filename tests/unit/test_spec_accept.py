@@ -237,3 +237,45 @@ def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match="draft_probs"):
         accept_sampled(tree, torch.full((1, 3, VOCAB), 1 / VOCAB), [None],
                        torch.full((1, 2, VOCAB), 1 / VOCAB))
+
+
+def pad(tree: DraftTree, num_nodes: int) -> DraftTree:
+    """The same trees with padding nodes (parent -1) appended up to num_nodes."""
+    extra = num_nodes - tree.num_nodes
+    batch = tree.token_ids.shape[0]
+
+    def cat(x: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([x, torch.full((batch, extra), value)], dim=1)
+
+    return DraftTree(cat(tree.token_ids, 0), cat(tree.parents, -1), cat(tree.depths, 0),
+                     cat(tree.tree_mask, 0))
+
+
+def test_padding_nodes_are_never_reached():
+    gen = torch.Generator().manual_seed(3)
+    roots = torch.randint(0, VOCAB, (64,), generator=gen)
+    tree = draft_trees(bigram(10), roots, 2, 3, 5)
+    padded = pad(tree, 9)
+    logits = torch.randn(64, 9, VOCAB, generator=gen)
+    logits[:, 5:, 0] = 100.0  # padding rows would pull toward token 0 if ever read
+    plain = accept_greedy(tree, logits[:, :5].argmax(-1))
+    assert accept_greedy(padded, logits.argmax(-1)).token_lists() == plain.token_lists()
+    probs = torch.softmax(logits, dim=-1)
+    sampled = accept_sampled(padded, probs, [None] * 64, default_generator=gen)
+    assert all(n < 5 for nodes in sampled.node_lists() for n in nodes)
+
+
+def test_kv_moves_make_the_accepted_path_contiguous():
+    # Tree: root 0; children 1, 2; node 3 under 2; node 4 under 3.
+    tree = DraftTree(token_ids=torch.tensor([[9, 1, 2, 3, 4]]),
+                     parents=torch.tensor([[-1, 0, 0, 2, 3]]),
+                     depths=torch.tensor([[0, 1, 1, 2, 3]]),
+                     tree_mask=torch.tensor([[1, 3, 5, 13, 29]]))
+    argmax = torch.tensor([[2, 0, 3, 4, 7]])  # follows 2 -> 3 -> 4, bonus 7
+    acc = accept_greedy(tree, argmax)
+    assert acc.node_lists() == [[2, 3, 4]]
+    assert acc.token_lists() == [[2, 3, 4, 7]]
+    assert acc.kv_moves() == [[(2, 1), (3, 2), (4, 3)]]
+    chain = accept_greedy(chain_tree(torch.tensor([9]), torch.tensor([[1, 2]])),
+                          torch.tensor([[1, 2, 5]]))
+    assert chain.kv_moves() == [[]]

@@ -57,6 +57,14 @@ class Acceptance:
         return [row[:n] for row, n in zip(self.accepted_nodes.tolist(),
                                           self.num_accepted.tolist(), strict=True)]
 
+    def kv_moves(self) -> list[list[tuple[int, int]]]:
+        """Per sequence, (node, depth) for each accepted node whose verify row is not at its
+        final place: its K/V must move from the root's slot + node to the root's slot +
+        depth (the accepted path becomes contiguous; other draft slots are dropped). Empty
+        for chains, where node i sits at depth i."""
+        return [[(n, d) for d, n in enumerate(nodes, start=1) if n != d]
+                for nodes in self.node_lists()]
+
 
 def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
     """target_argmax [B, T]: the target's argmax after each node (its logits' argmax)."""

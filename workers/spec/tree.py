@@ -72,6 +72,8 @@ class DraftTree:
     token_ids: target-vocabulary ids (column 0 the root token). parents: parent node index
     (-1 for the root), always < the node's own index. depths: 0 for the root.
     tree_mask: int64, bit j of row i set iff node i may see node j.
+    Trees of different sizes share a batch by padding: a padding node has parent -1 at an
+    index > 0, so no walk ever reaches it.
     """
 
     token_ids: torch.Tensor
