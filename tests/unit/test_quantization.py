@@ -104,6 +104,25 @@ def test_config_round_trips_through_compressed_tensors(group_size: int) -> None:
     assert parsed.config_groups["group_0"].weights.group_size == group_size
 
 
+@pytest.mark.parametrize(("preset", "error"), [
+    ("W4A16", None), ("W4A16_ASYM", "symmetric"), ("W8A16", "num_bits"),
+    ("W4A8", "input_activations"),
+])
+def test_compressed_tensors_presets(preset: str, error: str | None) -> None:
+    """llm-compressor's presets as they land in config.json: W4A16 loads, the rest name why."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    ct = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                            ignore=["lm_head"], format="pack-quantized",
+                            quantization_status="compressed")
+    raw = {"quant_method": "compressed-tensors", **ct.model_dump(exclude=["quant_method"])}
+    if error is None:
+        assert QuantConfig.from_dict(raw) == QuantConfig(group_size=128, ignore=("lm_head",))
+    else:
+        with pytest.raises(ValueError, match=error):
+            QuantConfig.from_dict(raw)
+
+
 def _with(path: str, value: Any) -> dict[str, Any]:
     """KIMI_CONFIG with the dotted `path` set to `value` (the key deleted for ...)."""
     cfg = copy.deepcopy(KIMI_CONFIG)
