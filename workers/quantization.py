@@ -46,7 +46,7 @@ _INFO_WEIGHT_KEYS = {"observer", "observer_kwargs", "zp_dtype"}
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The INT4 scheme of a checkpoint: group size, which linears are quantized, scale dtype."""
+    """The INT4 scheme of a checkpoint: its group size and which linears are quantized."""
 
     group_size: int
     targets: tuple[str, ...] = ("Linear",)
