@@ -49,6 +49,11 @@ class Connection:
         self._codec = codec
         self._config = config
         self._id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+        self._loop = asyncio.get_running_loop()
+        # Frames queued in this event-loop iteration, written together (one syscall for all
+        # the deltas a scheduler step produced for this client).
+        self._pending: list[bytes] = []
+        self._is_flush_scheduled = False
         self.is_closed = False
         self.close_reason = ""
 
@@ -56,7 +61,18 @@ class Connection:
         """Queue one frame; never blocks. Cuts off a client that does not read."""
         if self.is_closed:
             return
-        self._writer.write(self._codec.encode(message))
+        self._pending.append(self._codec.encode(message))
+        if not self._is_flush_scheduled:
+            self._is_flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._is_flush_scheduled = False
+        if self.is_closed or not self._pending:
+            return
+        data = b"".join(self._pending)
+        self._pending.clear()
+        self._writer.write(data)
         if self._writer.transport.get_write_buffer_size() > self._config.write_buffer_bytes:
             log_event(log, logging.WARNING, "slow_reader",
                       "client does not read its output; closing the connection",
@@ -67,6 +83,10 @@ class Connection:
         """Close once; `abort` drops unsent output (a slow reader's)."""
         if self.is_closed:
             return
+        if not abort:
+            self._flush()
+            if self.is_closed:  # the flush found a slow reader and cut it off
+                return
         self.is_closed = True
         self.close_reason = reason
         if abort:

@@ -16,6 +16,7 @@ request at a time; `AsyncClient` multiplexes any number over one connection. Lea
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -30,14 +31,13 @@ import msgspec
 from specd.ipc import messages as m
 from specd.ipc.framing import (
     DEFAULT_MAX_FRAME_BYTES,
-    ConnectionClosed,
     FrameCodec,
     FrameError,
-    recv_body,
 )
 from specd.ipc.sampling import SamplingParams
 
 DEFAULT_TIMEOUT_S = 60.0
+RECV_CHUNK_BYTES = 2**16
 
 
 def default_socket_path() -> Path:
@@ -260,6 +260,8 @@ class Client:
         self.timeout = timeout
         self._codec: FrameCodec[m.ServerMessage] = FrameCodec(m.ServerMessage, max_frame_bytes)
         self._ids = itertools.count(1)
+        self._received: collections.deque[bytes] = collections.deque()  # complete bodies
+        self._partial = b""  # bytes of a frame not yet complete
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         try:
@@ -289,12 +291,15 @@ class Client:
     def receive(self) -> m.ServerMessage:
         """The next frame from the daemon."""
         try:
-            body = recv_body(self._sock, self._codec.max_frame_bytes)
-            return self._codec.decode(body)
+            while not self._received:
+                data = self._sock.recv(RECV_CHUNK_BYTES)
+                if not data:
+                    raise DaemonUnavailable("the daemon closed the connection")
+                bodies, self._partial = self._codec.split(self._partial + data)
+                self._received.extend(bodies)
+            return self._codec.decode(self._received.popleft())
         except TimeoutError as exc:
             raise ClientTimeout(f"no answer within {self.timeout} s") from exc
-        except ConnectionClosed as exc:
-            raise DaemonUnavailable("the daemon closed the connection") from exc
         except (OSError, FrameError) as exc:
             raise DaemonUnavailable(f"connection lost: {exc!r}") from exc
         except msgspec.DecodeError as exc:
@@ -449,19 +454,18 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         assert self._reader is not None  # set by open(), which starts this task
-        failure: SpecdError
+        failure: SpecdError = DaemonUnavailable("the daemon closed the connection")
+        partial = b""
         try:
-            while True:
-                body = await self._codec.read_body(self._reader, None, DEFAULT_TIMEOUT_S)
-                message = self._codec.decode(body)
-                target = self._inboxes.get(message.id) if message.id is not None else None
-                if target is not None:
-                    target.put_nowait(message)
-                elif isinstance(message, m.Error) and message.id is None:  # the connection's
-                    failure = error_from_frame(message)
-                    break
-        except ConnectionClosed:
-            failure = DaemonUnavailable("the daemon closed the connection")
+            while data := await self._reader.read(RECV_CHUNK_BYTES):
+                bodies, partial = self._codec.split(partial + data)
+                for body in bodies:
+                    message = self._codec.decode(body)
+                    target = self._inboxes.get(message.id) if message.id is not None else None
+                    if target is not None:
+                        target.put_nowait(message)
+                    elif isinstance(message, m.Error) and message.id is None:  # the connection's
+                        failure = error_from_frame(message)
         except (OSError, FrameError) as exc:
             failure = DaemonUnavailable(f"connection lost: {exc!r}")
         except msgspec.DecodeError as exc:

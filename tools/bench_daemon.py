@@ -105,9 +105,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per figure")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads for both paths (OMP_NUM_THREADS for the "
+                        "daemon); set it on a shared machine so both run alike")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench_daemon.json"))
     args = parser.parse_args(argv)
 
+    if args.torch_threads is not None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by the daemon
+        torch.set_num_threads(args.torch_threads)
     engine = specd.Engine(model=args.model, device=args.device)
     daemon = None
     socket_path = args.socket
@@ -145,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['added_latency_per_token_us']:>15.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model or "fixture", "device": args.device,
+              "torch_threads": args.torch_threads,
               "max_tokens": args.max_tokens, "repeats": args.repeats,
               "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=2))
