@@ -44,7 +44,12 @@ def brute_force(b, root_lp, root_ids, child_lps, child_ids, num_draft_tokens):
     return [1000 + b] + [cands[c][1] for c in kept], parents, [0] + [cands[c][3] for c in kept]
 
 
-def random_step_inputs(gen, batch, topk, num_steps, vocab=50):
+StepInputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
+
+
+def random_step_inputs(gen: torch.Generator, batch: int, topk: int, num_steps: int,
+                       vocab: int = 50) -> StepInputs:
+    """Root top-k and per-step child top-k (log-probs, ids) from random distributions."""
     def top(shape):
         logits = torch.randn(*shape[:-1], vocab, generator=gen) * 2
         values, ids = torch.log_softmax(logits, -1).topk(shape[-1], dim=-1)
