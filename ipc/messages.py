@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
+
 from specd.ipc.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1

@@ -8,6 +8,7 @@ import struct
 
 import msgspec
 import pytest
+
 from specd.ipc import messages as m
 from specd.ipc.framing import ConnectionClosed, FrameCodec, FrameError, recv_body
 

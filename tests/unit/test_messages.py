@@ -6,6 +6,7 @@ import typing
 
 import msgspec
 import pytest
+
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
 
