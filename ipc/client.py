@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -517,7 +517,7 @@ class AsyncClient:
                      messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None,
                      sampling: SamplingParams | None = None, deadline_s: float | None = None,
-                     **sampling_options: Any) -> AsyncIterator[StreamDelta]:
+                     **sampling_options: Any) -> AsyncGenerator[StreamDelta, None]:
         """Yield deltas; the Final's remaining text comes as a last delta. Leaving early
         (break, cancellation) aborts the request."""
         request = make_generate(next(self._ids), prompt, messages, prompt_token_ids, sampling,

@@ -235,6 +235,21 @@ def test_disconnect_mid_stream_aborts_in_the_scheduler_and_frees_kv(daemon: Daem
     assert daemon.events("client_gone")
 
 
+def test_leaving_a_stream_early_aborts_the_request(daemon: Daemon) -> None:
+    async def run() -> str:
+        async with AsyncClient(daemon.socket_path) as client:
+            stream = client.stream(PROMPTS[2], max_tokens=2000, ignore_eos=True)
+            async for _ in stream:
+                break
+            await stream.aclose()
+            result = await client.generate(PROMPTS[0], max_tokens=3)  # the connection lives on
+            return result.finish_reason
+
+    assert asyncio.run(run()) == "length"
+    stats = _engine_stats(daemon)
+    assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 def test_full_queue_answers_overloaded_at_once(daemon: Daemon) -> None:
     async def run() -> list[BaseException | object]:
         async with AsyncClient(daemon.socket_path) as client:
