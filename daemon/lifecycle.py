@@ -19,6 +19,8 @@ class Lifecycle:
     def __init__(self, notifier: Notifier) -> None:
         self.notifier = notifier
         self.is_ready = False
+        self.is_draining = False
+        self._last_status = ""
 
     @property
     def watchdog_interval(self) -> float | None:
@@ -36,19 +38,27 @@ class Lifecycle:
 
     def ready(self, summary: str) -> None:
         self.is_ready = True
-        self.notifier.status(f"serving: {summary}")
+        self._status(f"serving: {summary}")
         self.notifier.ready()
 
     def alive(self, is_making_progress: bool, summary: str) -> None:
-        """Called every watchdog tick; pings only while the scheduler makes progress."""
+        """Called every watchdog tick; pings only while the scheduler makes progress.
+        STATUS is sent only when the summary changed."""
         if is_making_progress:
             self.notifier.watchdog()
-            self.notifier.status(f"serving: {summary}")
+            if not self.is_draining:
+                self._status(f"serving: {summary}")
 
     def draining(self, num_open: int, timeout_s: float) -> None:
+        self.is_draining = True
         self.notifier.stopping()
-        self.notifier.status(f"draining: {num_open} requests in flight")
+        self._status(f"draining: {num_open} requests in flight")
         self.notifier.extend_timeout(timeout_s + STARTUP_EXTEND_S)
 
     def failed(self, cause: str) -> None:
-        self.notifier.status(f"FAILED: {cause}")
+        self._status(f"FAILED: {cause}")
+
+    def _status(self, text: str) -> None:
+        if text != self._last_status:
+            self._last_status = text
+            self.notifier.status(text)
