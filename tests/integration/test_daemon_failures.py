@@ -71,6 +71,29 @@ def test_scheduler_killed_mid_stream(tmp_path: Path) -> None:
         daemon.stop()
 
 
+def _is_dead(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (a container's pid 1 may not reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_scheduler_dies_with_the_front(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path).wait_ready()
+    try:
+        scheduler_pid = daemon.scheduler_pid
+        daemon.signal(signal.SIGKILL)
+        daemon.wait()
+        deadline = time.monotonic() + 5
+        while not _is_dead(scheduler_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _is_dead(scheduler_pid)
+    finally:
+        daemon.stop()
+
+
 def test_hung_scheduler_is_detected_dumped_and_killed(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, "--hang-timeout-s", "1.5").wait_ready()
     try:
