@@ -484,10 +484,13 @@ class AsyncClient:
 
     async def _next(self, inbox: asyncio.Queue[m.ServerMessage | SpecdError]
                     ) -> m.ServerMessage:
-        try:
-            item = await asyncio.wait_for(inbox.get(), self.timeout)
-        except TimeoutError as exc:
-            raise ClientTimeout(f"no answer within {self.timeout} s") from exc
+        if not inbox.empty():  # the common case while streaming: no timer needed
+            item = inbox.get_nowait()
+        else:
+            try:
+                item = await asyncio.wait_for(inbox.get(), self.timeout)
+            except TimeoutError as exc:
+                raise ClientTimeout(f"no answer within {self.timeout} s") from exc
         if isinstance(item, SpecdError):
             raise item
         if isinstance(item, m.Error):
