@@ -1,0 +1,309 @@
+"""Serving benchmark: drive a running specd through the client library and measure it.
+
+For each speculation mode (`off`, `on`, `auto`: switched in the daemon between runs) and
+each point of a sweep, a closed loop of `concurrency` clients (or, with a request rate,
+Poisson arrivals capped at `concurrency` in flight) sends held-out prompts (shipped with
+the package, never the fixture's training text) and records, per request, the arrival
+time of every streamed token. A point reports output tokens/s, requests/s, TTFT, time per
+output token (TPOT), inter-token latency (ITL: the gap between two streamed deltas; with
+speculation one delta may carry several tokens), acceptance length and the share of
+engine steps that speculated. Greedy, `ignore_eos`, a fixed `max_tokens`: every request
+produces the same number of tokens in every mode, so the modes are compared on equal work.
+
+Reporting (table, JSON, plots) lives in `bench_report`, the transformers baseline in
+`bench_baseline`; `specctl bench` and `tools/bench_serving.py` are the command lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specd.daemon.bench_progress import Progress
+from specd.ipc import messages as m
+from specd.ipc.client import AsyncClient, ProtocolError, SpecdError, make_generate
+from specd.ipc.sampling import SamplingParams
+from specd.workers.config import FIXTURE_DIR
+
+PROMPTS_FILE = FIXTURE_DIR / "heldout_prompts.jsonl"
+DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+MODES = ("off", "on", "auto")
+STATS_INTERVAL_S = 0.25  # how often the engine's state is sampled during a point
+
+
+def load_prompts(n: int, path: Path = PROMPTS_FILE) -> list[str]:
+    """The first `n` held-out prompts of `path` (JSON lines with a "prompt" field),
+    cycling when the file holds fewer."""
+    rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark invocation.
+
+    concurrencies: the sweep; with `request_rate` each value caps the requests in flight.
+    request_rate: Poisson arrivals per second (None: closed loop, each client sends its next
+        request when the previous one ends).
+    num_requests: requests per point (None: max(8, 2 * concurrency)).
+    max_duration_s: stop sending new requests at a point after this long (None: no limit).
+    """
+
+    modes: tuple[str, ...] = MODES
+    concurrencies: tuple[int, ...] = DEFAULT_CONCURRENCIES
+    request_rate: float | None = None
+    num_requests: int | None = None
+    max_duration_s: float | None = None
+    max_tokens: int = 64
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.modes or any(mode not in MODES for mode in self.modes):
+            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {self.modes}")
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.max_duration_s is not None and not self.max_duration_s > 0:
+            raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2 (TPOT needs two tokens), "
+                             f"got {self.max_tokens}")
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.num_requests if self.num_requests is not None else max(8, 2 * concurrency)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request, timed from the moment it was sent (seconds).
+
+    num_received: token ids that arrived in Delta/Final frames; num_output_tokens: the
+    Final's own count (the two must agree). acceptance_length: tokens per target step
+    (1.0 for a request that never speculated)."""
+
+    ttft_s: float
+    latency_s: float
+    itl_s: tuple[float, ...]
+    num_received: int
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_drafted: int
+    num_accepted: int
+    acceptance_length: float
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        return (self.latency_s - self.ttft_s) / max(1, self.num_output_tokens - 1)
+
+
+class BenchClient(AsyncClient):
+    """The asyncio client plus what a benchmark needs: a stream that keeps the Final frame
+    and the arrival time of every delta, and the speculation switch."""
+
+    async def timed_request(self, prompt: str, sampling: SamplingParams) -> RequestRecord:
+        request = make_generate(next(self._ids), prompt, None, None, sampling, True, None, {})
+        started = time.perf_counter()
+        inbox = await self._send(request)
+        arrivals: list[tuple[float, int]] = []  # (time, token ids in the frame)
+        try:
+            while True:
+                reply = await self._next(inbox)
+                now = time.perf_counter()
+                if isinstance(reply, m.Delta | m.Final) and reply.token_ids:
+                    arrivals.append((now, len(reply.token_ids)))
+                if isinstance(reply, m.Final):
+                    return _record(started, now, arrivals, reply)
+        finally:
+            self._inboxes.pop(request.id, None)
+
+    async def set_spec(self, mode: str, threshold: int | None = None) -> str:
+        reply = await self._query(m.SetSpec(next(self._ids), mode, threshold))
+        if not isinstance(reply, m.Ack):
+            raise ProtocolError(f"expected an ack, got {type(reply).__name__}")
+        return reply.message
+
+
+def _record(started: float, ended: float, arrivals: list[tuple[float, int]],
+            final: m.Final) -> RequestRecord:
+    if not arrivals:
+        raise ProtocolError(f"request {final.id} ended ({final.finish_reason}) without tokens")
+    times = [t for t, _ in arrivals]
+    return RequestRecord(
+        ttft_s=times[0] - started,
+        latency_s=ended - started,
+        itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
+        num_received=sum(n for _, n in arrivals),
+        num_output_tokens=final.num_output_tokens,
+        num_prompt_tokens=final.num_prompt_tokens,
+        num_drafted=final.num_drafted,
+        num_accepted=final.num_accepted,
+        acceptance_length=final.acceptance_length if final.num_drafted else 1.0,
+    )
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """The engine's state at one moment of a point (from `stats`)."""
+
+    spec_active: bool
+    num_running: int
+    num_waiting: int
+    kv_use: float  # fraction of KV blocks in use
+
+
+def engine_sample(stats: dict[str, Any]) -> EngineSample:
+    engine = stats.get("engine") or {}
+    total = int(engine.get("num_kv_blocks", 0))
+    free = int(engine.get("num_free_kv_blocks", 0))
+    return EngineSample(spec_active=bool(engine.get("spec_active", False)),
+                        num_running=int(engine.get("num_running", 0)),
+                        num_waiting=int(engine.get("num_waiting", 0)),
+                        kv_use=(total - free) / total if total else 0.0)
+
+
+@dataclass(frozen=True)
+class PointRun:
+    """What one sweep point measured, before summary (see bench_report.summarize)."""
+
+    mode: str
+    concurrency: int
+    request_rate: float | None
+    wall_s: float
+    records: tuple[RequestRecord, ...]
+    errors: dict[str, int]  # error code -> count
+    samples: tuple[EngineSample, ...]
+    stats_before: dict[str, Any]
+    stats_after: dict[str, Any]
+
+
+async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig, mode: str,
+                    concurrency: int, progress: Progress) -> PointRun:
+    """Send `config.requests_at(concurrency)` requests (closed loop or Poisson) and time
+    them; the engine is sampled every STATS_INTERVAL_S meanwhile."""
+    num_requests = config.requests_at(concurrency)
+    records: list[RequestRecord] = []
+    errors: dict[str, int] = {}
+    samples: list[EngineSample] = []
+    stats_before = await client.stats()
+    started = time.perf_counter()
+    give_up_at = started + (config.max_duration_s or float("inf"))
+
+    async def one(index: int) -> None:
+        try:
+            records.append(await client.timed_request(prompts[index % len(prompts)],
+                                                      config.sampling))
+        except SpecdError as exc:
+            errors[exc.code] = errors.get(exc.code, 0) + 1
+        progress.advance()
+
+    sampler = asyncio.create_task(_sample_engine(client, samples))
+    try:
+        if config.request_rate is None:
+            await _closed_loop(one, num_requests, concurrency, give_up_at)
+        else:
+            await _poisson(one, num_requests, concurrency, config.request_rate,
+                           random.Random(config.seed), give_up_at)
+        wall = time.perf_counter() - started
+    finally:
+        sampler.cancel()
+    stats_after = await client.stats()
+    return PointRun(mode, concurrency, config.request_rate, wall, tuple(records), errors,
+                    tuple(samples), stats_before, stats_after)
+
+
+async def _closed_loop(one: Any, num_requests: int, concurrency: int, give_up_at: float
+                       ) -> None:
+    indices = iter(range(num_requests))
+
+    async def worker() -> None:
+        for index in indices:  # shared iterator: each index is taken by one worker
+            if time.perf_counter() > give_up_at:
+                return
+            await one(index)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _poisson(one: Any, num_requests: int, concurrency: int, rate: float,
+                   rng: random.Random, give_up_at: float) -> None:
+    in_flight = asyncio.Semaphore(concurrency)
+    tasks = []
+
+    async def bounded(index: int) -> None:
+        async with in_flight:
+            await one(index)
+
+    for index in range(num_requests):
+        if time.perf_counter() > give_up_at:
+            break
+        tasks.append(asyncio.create_task(bounded(index)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+
+
+async def _sample_engine(client: BenchClient, samples: list[EngineSample]) -> None:
+    while True:
+        samples.append(engine_sample(await client.stats()))
+        await asyncio.sleep(STATS_INTERVAL_S)
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """Every point of every mode that could run; `skipped` says why a mode did not."""
+
+    daemon: dict[str, Any]  # model, resolved settings, engine config (from status)
+    points: tuple[PointRun, ...]
+    skipped: dict[str, str]
+
+
+async def run_sweep(socket_path: Path | None, config: BenchConfig) -> SweepRun:
+    """The whole sweep against the daemon at `socket_path`; the daemon's speculation mode
+    is restored afterwards. A mode the daemon cannot serve (no draft model) is skipped with
+    its reason rather than measured as something else."""
+    async with BenchClient(socket_path, timeout=config.timeout_s) as client:
+        status = await client.status()
+        if status.state != "ready":
+            raise SpecdError(f"the daemon is {status.state}, not ready")
+        speculative = bool(status.resolved.get("speculative", False))
+        initial_mode = str(status.engine.get("spec_mode", "off"))
+        prompts = load_prompts(max(config.requests_at(c) for c in config.concurrencies))
+        runnable = [mode for mode in config.modes if speculative or mode == "off"]
+        skipped = {mode: "the daemon serves without speculation (resolved.speculative is "
+                         "false: no draft model, or speculation not built in)"
+                   for mode in config.modes if mode not in runnable}
+        progress = Progress(sum(config.requests_at(c) for c in config.concurrencies)
+                            * len(runnable))
+        points = []
+        try:
+            for mode in runnable:
+                if speculative:
+                    await client.set_spec(mode)
+                await client.timed_request(prompts[0], SamplingParams(max_tokens=4))  # warm-up
+                for concurrency in config.concurrencies:
+                    progress.begin(f"{mode} c={concurrency}")
+                    points.append(await run_point(client, prompts, config, mode, concurrency,
+                                                  progress))
+        finally:
+            progress.close()
+            if speculative:
+                await client.set_spec(initial_mode)
+    daemon = {"model": status.model, "version": status.version, "resolved": status.resolved,
+              "engine_config": status.config.get("engine", {}), "initial_spec_mode": initial_mode}
+    return SweepRun(daemon, tuple(points), skipped)

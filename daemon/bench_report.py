@@ -1,0 +1,229 @@
+"""The serving benchmark's results: per-point summaries, the targets, a terminal table,
+the JSON report and the PNG plots (matplotlib, imported only when plots are written).
+
+Every latency is in milliseconds and summarized as mean/p50/p90/p99 (linear interpolation
+between order statistics). Targets (issue 8): `auto` at least AUTO_TARGET times the better
+of `on` and `off` at every concurrency; specd at batch 1 (spec on) at least
+BASELINE_TARGET times transformers `generate()`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from specd.daemon.bench import EngineSample, PointRun
+
+AUTO_TARGET = 0.97
+BASELINE_TARGET = 3.0
+PLOT_FILES = {"throughput": "throughput.png", "tpot": "tpot.png",
+              "acceptance": "acceptance_hist.png"}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 of `values` (all 0.0 for an empty list)."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        rank = q * (len(ordered) - 1)
+        low, high = math.floor(rank), math.ceil(rank)
+        return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {key: value * 1e3 for key, value in percentiles(values).items()}
+
+
+def _engine_delta(point: PointRun, key: str) -> int | None:
+    before = point.stats_before.get("engine", {}).get(key)
+    after = point.stats_after.get("engine", {}).get(key)
+    if before is None or after is None:
+        return None
+    return int(after) - int(before)
+
+
+def spec_share(point: PointRun) -> tuple[float, str]:
+    """The share of engine steps that speculated, and where the figure comes from:
+    "counter" when the engine counts speculative steps (stats engine.num_spec_steps),
+    else "sampled" (the share of stats samples, taken while requests ran, in which
+    speculation was active)."""
+    spec_steps = _engine_delta(point, "num_spec_steps")
+    steps = _engine_delta(point, "num_steps")
+    if spec_steps is not None and steps:
+        return spec_steps / steps, "counter"
+    busy = [s for s in point.samples if s.num_running > 0]
+    if not busy:
+        return 0.0, "sampled"
+    return sum(s.spec_active for s in busy) / len(busy), "sampled"
+
+
+def _busy_batch(samples: tuple[EngineSample, ...]) -> float:
+    busy = [s.num_running for s in samples if s.num_running > 0]
+    return sum(busy) / len(busy) if busy else 0.0
+
+
+def summarize(point: PointRun) -> dict[str, Any]:
+    """One JSON-ready row per point."""
+    records = point.records
+    num_output = sum(r.num_output_tokens for r in records)
+    drafted = [r for r in records if r.num_drafted]
+    share, share_source = spec_share(point)
+    return {
+        "mode": point.mode,
+        "concurrency": point.concurrency,
+        "request_rate": point.request_rate,
+        "num_requests": len(records),
+        "num_errors": sum(point.errors.values()),
+        "errors": dict(point.errors),
+        "wall_s": point.wall_s,
+        "output_tokens_per_s": num_output / point.wall_s,
+        "requests_per_s": len(records) / point.wall_s,
+        "num_output_tokens": num_output,
+        "num_received_tokens": sum(r.num_received for r in records),
+        "num_prompt_tokens": sum(r.num_prompt_tokens for r in records),
+        "ttft_ms": _ms([r.ttft_s for r in records]),
+        "tpot_ms": _ms([r.tpot_s for r in records]),
+        "itl_ms": _ms([gap for r in records for gap in r.itl_s]),
+        "e2e_ms": _ms([r.latency_s for r in records]),
+        "acceptance_length": (sum(r.acceptance_length for r in drafted) / len(drafted)
+                              if drafted else 1.0),
+        "acceptance_lengths": [r.acceptance_length for r in drafted],
+        "num_drafted": sum(r.num_drafted for r in records),
+        "num_accepted": sum(r.num_accepted for r in records),
+        "spec_share": share,
+        "spec_share_source": share_source,
+        "mean_batch": _busy_batch(point.samples),
+        "max_kv_use": max((s.kv_use for s in point.samples), default=0.0),
+    }
+
+
+def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """auto vs the better of on/off at each concurrency, and batch-1 spec-on vs the
+    transformers baseline; a target that cannot be judged (a mode missing) is None."""
+    by_key = {(p["mode"], p["concurrency"]): p["output_tokens_per_s"] for p in points}
+    auto_rows = []
+    for concurrency in sorted({p["concurrency"] for p in points}):
+        auto = by_key.get(("auto", concurrency))
+        others = [by_key[(mode, concurrency)] for mode in ("on", "off")
+                  if (mode, concurrency) in by_key]
+        if auto is None or len(others) < 2:
+            continue
+        ratio = auto / max(others)
+        auto_rows.append({"concurrency": concurrency, "auto_over_best": ratio,
+                          "met": ratio >= AUTO_TARGET})
+    specd_b1 = by_key.get(("on", 1))
+    versus: dict[str, Any] = {"specd_mode": "on", "specd_tokens_per_s": specd_b1,
+                              "baseline_tokens_per_s": None, "ratio": None, "met": None}
+    if baseline is not None and specd_b1 is not None:
+        ratio = specd_b1 / baseline["tokens_per_s"]
+        versus |= {"baseline_tokens_per_s": baseline["tokens_per_s"], "ratio": ratio,
+                   "met": ratio >= BASELINE_TARGET}
+    return {
+        "auto_target": AUTO_TARGET,
+        "auto_vs_best": auto_rows,
+        "auto_met": all(r["met"] for r in auto_rows) if auto_rows else None,
+        "baseline_target": BASELINE_TARGET,
+        "batch1_vs_transformers": versus,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The terminal table: one row per point, then the targets."""
+    head = (f"{'mode':<5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'req/s':>6} "
+            f"{'ttft p50':>8} {'ttft p99':>8} {'tpot p50':>8} {'itl p50':>8} {'itl p90':>8} "
+            f"{'itl p99':>8} {'acc len':>7} {'spec':>5} {'batch':>5}")
+    lines = [head, "-" * len(head)]
+    for p in report["points"]:
+        lines.append(
+            f"{p['mode']:<5} {p['concurrency']:>4} {p['num_requests']:>4} "
+            f"{p['output_tokens_per_s']:>8.1f} {p['requests_per_s']:>6.2f} "
+            f"{p['ttft_ms']['p50']:>8.1f} {p['ttft_ms']['p99']:>8.1f} "
+            f"{p['tpot_ms']['p50']:>8.2f} {p['itl_ms']['p50']:>8.2f} "
+            f"{p['itl_ms']['p90']:>8.2f} {p['itl_ms']['p99']:>8.2f} "
+            f"{p['acceptance_length']:>7.2f} {p['spec_share']:>5.2f} {p['mean_batch']:>5.1f}"
+            + (f"  errors {p['errors']}" if p["num_errors"] else ""))
+    lines.append("(latencies in ms; acc len = tokens per target step; spec = share of steps "
+                 "that speculated)")
+    for mode, reason in report["skipped_modes"].items():
+        lines.append(f"mode {mode} skipped: {reason}")
+    baseline = report.get("baseline")
+    if baseline is not None:
+        lines.append(f"transformers generate() at batch 1: {baseline['tokens_per_s']:.1f} tok/s "
+                     f"({baseline['num_prompts']} prompts x {baseline['max_new_tokens']} tokens)")
+        lines.append(f"assisted generation with the EAGLE-3 head: "
+                     f"{baseline['assisted_generation']['verdict']}")
+    targets = report["targets"]
+    for row in targets["auto_vs_best"]:
+        lines.append(f"auto / best(on, off) at c={row['concurrency']}: "
+                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'NOT met'}, "
+                     f"target {targets['auto_target']})")
+    versus = targets["batch1_vs_transformers"]
+    if versus["ratio"] is not None:
+        lines.append(f"specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
+                     f"({'met' if versus['met'] else 'NOT met'}, target "
+                     f"{targets['baseline_target']}x)")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """throughput vs concurrency per mode, TPOT p50 vs concurrency per mode, histogram of
+    per-request acceptance lengths per mode; returns {plot name: file path}."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points = report["points"]
+    modes = sorted({p["mode"] for p in points}, key=lambda mode: ("off", "on", "auto").index(mode))
+    paths = {name: out_dir / file for name, file in PLOT_FILES.items()}
+    for name, key, label in (("throughput", "output_tokens_per_s", "output tokens/s"),
+                             ("tpot", "tpot_ms", "TPOT p50 (ms)")):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
+        for mode in modes:
+            rows = [p for p in points if p["mode"] == mode]
+            ys = [p[key]["p50"] if isinstance(p[key], dict) else p[key] for p in rows]
+            ax.plot([p["concurrency"] for p in rows], ys, marker="o", label=f"spec {mode}")
+        ax.set_xscale("log", base=2)
+        concurrencies = sorted({p["concurrency"] for p in points})
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(paths[name])
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
+    drawn = False
+    for mode in modes:
+        lengths = [x for p in points if p["mode"] == mode for x in p["acceptance_lengths"]]
+        if lengths:
+            ax.hist(lengths, bins=20, alpha=0.6, label=f"spec {mode}")
+            drawn = True
+    if drawn:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no request speculated", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("acceptance length (tokens per target step, per request)")
+    ax.set_ylabel("requests")
+    ax.set_title("acceptance length")
+    fig.tight_layout()
+    fig.savefig(paths["acceptance"])
+    plt.close(fig)
+    return {name: str(path) for name, path in paths.items()}

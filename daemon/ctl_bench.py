@@ -1,0 +1,224 @@
+"""`specctl bench`, `specctl top` and `specctl tune-spec`: measuring and watching a running
+daemon. The commands read the group's settings (`ctx.obj`: socket_path, timeout, as_json)
+and are registered on `specctl` with `cli.add_command`; `python -m specd.daemon.ctl_bench`
+runs them under a small group of its own with the same `--socket`/`--timeout` options.
+
+Exit codes as specctl's: 1 the daemon answered with an error, 2 usage error, 3 the daemon
+cannot be reached, 4 no answer in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from specd.ipc.client import ClientTimeout, DaemonUnavailable, SpecdError
+
+EXIT_DAEMON_ERROR = 1
+EXIT_UNREACHABLE = 3
+EXIT_TIMEOUT = 4
+
+T = TypeVar("T")
+
+
+def _socket(ctx: click.Context) -> Path | None:
+    return getattr(ctx.obj, "socket_path", None)
+
+
+def _timeout(ctx: click.Context) -> float:
+    return float(getattr(ctx.obj, "timeout", 60.0))
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Map client failures to specctl's exit codes with a one-line message."""
+    try:
+        return action()
+    except DaemonUnavailable as exc:
+        click.echo(f"specctl: daemon unreachable: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except ClientTimeout as exc:
+        click.echo(f"specctl: timeout: {exc}", err=True)
+        sys.exit(EXIT_TIMEOUT)
+    except SpecdError as exc:
+        click.echo(f"specctl: {exc.code}: {exc.message}", err=True)
+        sys.exit(EXIT_DAEMON_ERROR)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures were measured."""
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
+            "num_cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+# ---- bench -------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--modes", default="off,on,auto", show_default=True,
+              help="speculation modes to run, switched in the daemon between runs")
+@click.option("--concurrency", "concurrency_text", default="1,2,4,8,16,32,64",
+              show_default=True, help="concurrency sweep (comma-separated)")
+@click.option("--request-rate", type=float, default=None,
+              help="Poisson arrivals per second instead of a closed loop (each concurrency "
+              "then caps the requests in flight)")
+@click.option("--num-requests", type=int, default=None,
+              help="requests per point [default: max(8, 2 x concurrency)]")
+@click.option("--max-duration", type=float, default=None,
+              help="seconds per point after which no new request is sent")
+@click.option("--max-tokens", type=int, default=64, show_default=True,
+              help="output tokens per request (ignore_eos: every request makes them all)")
+@click.option("--out-dir", type=click.Path(path_type=Path), default=Path("bench_out/serving"),
+              show_default=True, help="where bench_serving.json and the PNG plots go")
+@click.option("--plots/--no-plots", default=True, show_default=True)
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="also time transformers generate() at batch 1 on the same prompts")
+@click.option("--baseline-prompts", type=int, default=8, show_default=True)
+@click.option("--baseline-model", type=click.Path(path_type=Path), default=None,
+              help="model directory for the baseline [default: the daemon's model]")
+@click.pass_context
+def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: float | None,
+          num_requests: int | None, max_duration: float | None, max_tokens: int,
+          out_dir: Path, plots: bool, baseline: bool, baseline_prompts: int,
+          baseline_model: Path | None) -> None:
+    """Serving benchmark against the running daemon: a concurrency sweep per speculation
+    mode; prints a table, writes JSON and PNG plots."""
+    from specd.daemon import bench_report
+    from specd.daemon.bench import BenchConfig, load_prompts, run_sweep
+
+    try:
+        config = BenchConfig(modes=tuple(x.strip() for x in modes.split(",") if x.strip()),
+                             concurrencies=_int_list(concurrency_text),
+                             request_rate=request_rate, num_requests=num_requests,
+                             max_duration_s=max_duration, max_tokens=max_tokens,
+                             timeout_s=max(_timeout(ctx), 600.0))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    sweep = _run(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
+    points = [bench_report.summarize(p) for p in sweep.points]
+    baseline_result = None
+    if baseline:
+        from specd.daemon.bench_baseline import run_baseline
+        from specd.workers.config import FIXTURE_DIR
+
+        model = baseline_model or Path(sweep.daemon["engine_config"].get("model") or FIXTURE_DIR)
+        click.echo(f"bench: transformers baseline on {model}", err=True)
+        baseline_result = run_baseline(model, load_prompts(baseline_prompts), max_tokens)
+    report: dict[str, Any] = {
+        "benchmark": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "command": " ".join(sys.argv), "machine": machine_info(), "daemon": sweep.daemon,
+        "config": {"modes": list(config.modes), "concurrencies": list(config.concurrencies),
+                   "request_rate": config.request_rate, "max_tokens": config.max_tokens,
+                   "num_requests": config.num_requests, "max_duration_s": config.max_duration_s},
+        "points": points, "skipped_modes": sweep.skipped, "baseline": baseline_result,
+        "targets": bench_report.check_targets(points, baseline_result), "plots": {},
+    }
+    if plots and points:
+        report["plots"] = bench_report.write_plots(report, out_dir)
+    bench_report.write_json(report, out_dir / "bench_serving.json")
+    click.echo(bench_report.format_table(report))
+    click.echo(f"wrote {out_dir / 'bench_serving.json'}"
+               + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
+
+
+# ---- top ---------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--interval", type=float, default=1.0, show_default=True,
+              help="seconds between frames")
+@click.option("--frames", type=int, default=None,
+              help="stop after this many frames [default: until q or Ctrl-C]")
+@click.pass_context
+def top(ctx: click.Context, interval: float, frames: int | None) -> None:
+    """Live view: running and queued requests, batch, speculation, tokens/s, KV use.
+    q or Ctrl-C quits."""
+    from specd.daemon.top import run_top
+
+    if not interval > 0:
+        raise click.UsageError(f"--interval must be > 0, got {interval}")
+    _run(lambda: run_top(_socket(ctx), _timeout(ctx), interval, frames))
+
+
+# ---- tune-spec ---------------------------------------------------------------------------
+
+
+@click.command("tune-spec")
+@click.option("--batch-sizes", "batch_text", default="1,2,4,8,16,32", show_default=True,
+              help="batch sizes to measure (comma-separated)")
+@click.option("--max-tokens", type=int, default=48, show_default=True,
+              help="output tokens per request while measuring")
+@click.option("--write-env", type=click.Path(path_type=Path), default=None,
+              help="update this environment file's SPECD_ARGS with the chosen settings")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@click.pass_context
+def tune_spec(ctx: click.Context, batch_text: str, max_tokens: int, write_env: Path | None,
+              as_json: bool) -> None:
+    """Measure where speculation stops paying on this machine and print the settings."""
+    from specd.daemon.tune_spec import format_tuning, measure, update_env_file
+
+    batch_sizes = _int_list(batch_text)
+    if max_tokens < 2:
+        raise click.UsageError(f"--max-tokens must be >= 2, got {max_tokens}")
+    tuning = _run(lambda: asyncio.run(measure(_socket(ctx), batch_sizes, max_tokens,
+                                              max(_timeout(ctx), 600.0))))
+    if as_json or getattr(ctx.obj, "as_json", False):
+        click.echo(json.dumps(tuning))
+    else:
+        click.echo(format_tuning(tuning))
+    if write_env is not None:
+        changed = update_env_file(write_env, tuning["recommended_flags"])
+        click.echo(f"updated {write_env}: {changed}", err=True)
+
+
+# ---- standalone ---------------------------------------------------------------------------
+
+
+class _Settings:
+    def __init__(self, socket_path: Path | None, timeout: float, as_json: bool) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.as_json = as_json
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+              envvar="SPECD_SOCKET", help="daemon socket [default: $SPECD_SOCKET or the "
+              "daemon's default path]")
+@click.option("--timeout", type=float, default=60.0, show_default=True)
+@click.pass_context
+def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
+    """bench, top and tune-spec outside specctl (same commands)."""
+    ctx.obj = _Settings(socket_path, timeout, False)
+
+
+main.add_command(bench)
+main.add_command(top)
+main.add_command(tune_spec)
+
+if __name__ == "__main__":
+    main()
