@@ -1,0 +1,140 @@
+"""The serving benchmark (`specctl bench`) for a few seconds against the real daemon
+(fixture model unless $SPECD_TEST_MODEL): every field of its JSON present, the figures
+positive and consistent with each other (tokens counted by the daemon = tokens received by
+the client = requests x max_tokens), the transformers baseline in the same report, and the
+PNG plots valid images that read back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from daemon_harness import Daemon
+
+from specd.daemon.ctl_bench import main as ctl_bench
+
+MAX_TOKENS = 12
+NUM_REQUESTS = 3
+CONCURRENCIES = (1, 2)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPORT_KEYS = {"benchmark", "date", "command", "machine", "daemon", "config", "points",
+               "skipped_modes", "baseline", "targets", "plots"}
+POINT_KEYS = {"mode", "concurrency", "request_rate", "num_requests", "num_errors", "errors",
+              "wall_s", "output_tokens_per_s", "requests_per_s", "num_output_tokens",
+              "num_received_tokens", "num_prompt_tokens", "ttft_ms", "tpot_ms", "itl_ms",
+              "e2e_ms", "acceptance_length", "acceptance_lengths", "num_drafted",
+              "num_accepted", "spec_share", "spec_share_source", "mean_batch", "max_kv_use"}
+BASELINE_KEYS = {"library", "model", "batch_size", "num_prompts", "max_new_tokens",
+                 "num_output_tokens", "wall_s", "tokens_per_s", "torch_threads",
+                 "assisted_generation"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("bench"), "--log-level", "warning").wait_ready()
+    yield d
+    d.stop()
+
+
+def _bench(daemon: Daemon, out_dir: Path, *options: str) -> tuple[dict[str, Any], str]:
+    result = CliRunner().invoke(ctl_bench, [
+        "--socket", str(daemon.socket_path), "bench", "--max-tokens", str(MAX_TOKENS),
+        "--num-requests", str(NUM_REQUESTS), "--out-dir", str(out_dir), *options])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return json.loads((out_dir / "bench_serving.json").read_text()), result.output
+
+
+@pytest.fixture(scope="module")
+def sweep(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[dict[str, Any], str]:
+    return _bench(daemon, tmp_path_factory.mktemp("sweep"), "--modes", "off,on,auto",
+                  "--concurrency", ",".join(map(str, CONCURRENCIES)), "--baseline-prompts", "1")
+
+
+def _check_latencies(point: dict[str, Any]) -> None:
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        figures = point[key]
+        assert set(figures) == {"mean", "p50", "p90", "p99"}, key
+        assert 0 < figures["p50"] <= figures["p90"] <= figures["p99"], (key, figures)
+    assert point["ttft_ms"]["p50"] <= point["e2e_ms"]["p50"]
+    # every request's TPOT spans its last MAX_TOKENS - 1 tokens, which came after its TTFT
+    assert point["tpot_ms"]["mean"] * (MAX_TOKENS - 1) <= point["e2e_ms"]["p99"] * 1.001
+
+
+def test_every_point_is_complete_and_consistent(sweep: tuple[dict[str, Any], str]) -> None:
+    report, _ = sweep
+    assert set(report) == REPORT_KEYS
+    assert report["config"]["max_tokens"] == MAX_TOKENS
+    points = report["points"]
+    for point in points:
+        assert set(point) == POINT_KEYS
+        assert point["num_errors"] == 0, point["errors"]
+        assert point["num_requests"] == NUM_REQUESTS
+        # tokens counted (the daemon's Final frames) = tokens received (streamed ids)
+        assert point["num_output_tokens"] == point["num_received_tokens"] \
+            == NUM_REQUESTS * MAX_TOKENS
+        assert point["wall_s"] > 0 and point["num_prompt_tokens"] > 0
+        assert point["output_tokens_per_s"] * point["wall_s"] == pytest.approx(
+            point["num_output_tokens"])
+        assert point["requests_per_s"] * point["wall_s"] == pytest.approx(NUM_REQUESTS)
+        _check_latencies(point)
+        assert point["acceptance_length"] >= 1.0
+        assert 0.0 <= point["spec_share"] <= 1.0
+        assert 0.0 <= point["max_kv_use"] <= 1.0
+        assert 0 <= point["num_accepted"] <= point["num_drafted"]
+        if point["mode"] == "off":
+            assert point["num_drafted"] == 0 and point["spec_share"] == 0.0
+    measured = {p["mode"] for p in points}
+    # every requested mode is measured at every concurrency, or skipped with its reason
+    assert measured | set(report["skipped_modes"]) == {"off", "on", "auto"}
+    assert not measured & set(report["skipped_modes"])
+    for mode in measured:
+        assert sorted(p["concurrency"] for p in points if p["mode"] == mode) \
+            == list(CONCURRENCIES)
+    if report["daemon"]["resolved"]["speculative"]:
+        assert measured == {"off", "on", "auto"}
+
+
+def test_baseline_and_targets(sweep: tuple[dict[str, Any], str]) -> None:
+    report, table = sweep
+    baseline = report["baseline"]
+    assert set(baseline) == BASELINE_KEYS
+    assert baseline["num_output_tokens"] == MAX_TOKENS and baseline["tokens_per_s"] > 0
+    assert baseline["assisted_generation"]["possible"] is False
+    targets = report["targets"]
+    versus = targets["batch1_vs_transformers"]
+    if "on" in {p["mode"] for p in report["points"]}:
+        assert versus["ratio"] == pytest.approx(
+            versus["specd_tokens_per_s"] / baseline["tokens_per_s"])
+        assert len(targets["auto_vs_best"]) == len(CONCURRENCIES)
+    else:
+        assert versus["ratio"] is None and targets["auto_met"] is None
+    assert "transformers generate() at batch 1" in table
+    for point in report["points"]:
+        assert f"{point['output_tokens_per_s']:>8.1f}" in table
+
+
+def test_plots_are_png_images_that_read_back(sweep: tuple[dict[str, Any], str]) -> None:
+    import matplotlib.image
+
+    report, _ = sweep
+    assert set(report["plots"]) == {"throughput", "tpot", "acceptance"}
+    for path in map(Path, report["plots"].values()):
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100, path
+        assert pixels.std() > 0, f"{path} is blank"
+
+
+def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
+    report, _ = _bench(daemon, tmp_path, "--modes", "off", "--concurrency", "2",
+                       "--request-rate", "50", "--no-baseline", "--no-plots")
+    (point,) = report["points"]
+    assert point["request_rate"] == 50 and point["concurrency"] == 2
+    assert point["num_output_tokens"] == point["num_received_tokens"] \
+        == NUM_REQUESTS * MAX_TOKENS
+    assert report["baseline"] is None and report["plots"] == {}

@@ -1,0 +1,102 @@
+"""tune-spec's arithmetic and its environment-file edit, and the benchmark's percentiles
+and targets: pure functions checked on hand-made figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specd.daemon.bench_report import check_targets, percentiles
+from specd.daemon.tune_spec import (
+    best_chain_depth,
+    chain_acceptance_rate,
+    crossover,
+    recommend,
+    update_env_args,
+    update_env_file,
+)
+
+ENV = """# comment kept
+SPECD_MODEL=/srv/specd/models/target
+SPECD_ARGS=--device cuda --spec-num-steps 3 --spec-topk=2 --log-format json
+"""
+
+
+def _rows(speedups: dict[int, float]) -> list[dict[str, object]]:
+    return [{"batch_size": b, "speedup": s} for b, s in speedups.items()]
+
+
+def test_crossover_interpolates_where_speedup_falls_below_one() -> None:
+    # 1.5 at 4, 0.5 at 8: the line crosses 1 halfway, at 6
+    assert crossover(_rows({1: 2.0, 4: 1.5, 8: 0.5})) == 6
+    assert crossover(_rows({1: 2.0, 2: 1.2})) == 2  # pays everywhere measured
+    assert crossover(_rows({1: 0.9, 2: 0.5})) is None  # never pays
+
+
+def test_chain_acceptance_rate_inverts_the_expected_length() -> None:
+    rate = 0.6
+    tau = sum(rate**i for i in range(5))  # 4 drafts
+    assert chain_acceptance_rate(tau, 4) == pytest.approx(rate, abs=1e-6)
+    assert chain_acceptance_rate(1.0, 4) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_best_chain_depth_trades_acceptance_against_draft_cost() -> None:
+    assert best_chain_depth(0.9, plain_ms=10.0, draft_ms=0.1) == 8  # cheap drafts: deep
+    assert best_chain_depth(0.1, plain_ms=10.0, draft_ms=5.0) == 1  # poor acceptance: short
+
+
+def test_recommendation_turns_speculation_off_when_it_never_pays() -> None:
+    off = {"step_ms": 10.0, "tokens_per_s": 100.0}
+    on = {"step_ms": 30.0, "tokens_per_step": 1.5, "tokens_per_s": 50.0}
+    rows = [{"batch_size": 1, "off": off, "on": on, "speedup": 0.5}]
+    tuning = recommend(rows, {"device": "cpu", "spec_num_steps": 5})
+    assert tuning["recommended_flags"] == {"--spec-mode": "off"}
+
+
+def test_recommendation_on_cpu_is_a_chain_with_the_threshold() -> None:
+    off = {"step_ms": 10.0, "tokens_per_s": 100.0}
+    on = {"step_ms": 15.0, "tokens_per_step": 3.0, "tokens_per_s": 200.0}
+    rows = [{"batch_size": 1, "off": off, "on": on, "speedup": 2.0},
+            {"batch_size": 4, "off": off, "on": on, "speedup": 1.0}]
+    flags = recommend(rows, {"device": "cpu", "spec_num_steps": 5})["recommended_flags"]
+    assert flags["--spec-mode"] == "auto" and flags["--spec-disable-batch-threshold"] == "4"
+    assert flags["--spec-topk"] == "1"
+    assert flags["--spec-num-draft-tokens"] == flags["--spec-num-steps"]
+
+
+def test_env_args_replace_both_flag_spellings_and_keep_other_lines() -> None:
+    text = update_env_args(ENV, {"--spec-num-steps": "6", "--spec-topk": "1"})
+    lines = text.splitlines()
+    assert lines[:2] == ENV.splitlines()[:2]
+    assert lines[2] == ("SPECD_ARGS=--device cuda --log-format json --spec-num-steps 6 "
+                        "--spec-topk 1")
+
+
+def test_env_args_line_added_when_missing(tmp_path: Path) -> None:
+    path = tmp_path / "specd.env"
+    path.write_text("SPECD_MODEL=/m\n")
+    path.chmod(0o640)
+    line = update_env_file(path, {"--spec-mode": "off"})
+    assert line == "SPECD_ARGS=--spec-mode off"
+    assert path.read_text() == "SPECD_MODEL=/m\nSPECD_ARGS=--spec-mode off\n"
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_percentiles_interpolate_between_order_statistics() -> None:
+    figures = percentiles([float(x) for x in range(1, 102)])  # 1..101
+    assert figures == {"mean": 51.0, "p50": 51.0, "p90": 91.0, "p99": 100.0}
+    assert percentiles([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+def test_targets_compare_auto_with_the_better_mode() -> None:
+    points = [{"mode": mode, "concurrency": c, "output_tokens_per_s": tps}
+              for mode, c, tps in (("off", 1, 100.0), ("on", 1, 200.0), ("auto", 1, 198.0),
+                                   ("off", 8, 400.0), ("on", 8, 300.0), ("auto", 8, 380.0))]
+    targets = check_targets(points, {"tokens_per_s": 50.0})
+    rows = {r["concurrency"]: r for r in targets["auto_vs_best"]}
+    assert rows[1]["auto_over_best"] == pytest.approx(0.99) and rows[1]["met"]
+    assert rows[8]["auto_over_best"] == pytest.approx(0.95) and not rows[8]["met"]
+    assert targets["auto_met"] is False
+    versus = targets["batch1_vs_transformers"]
+    assert versus["ratio"] == pytest.approx(4.0) and versus["met"] is True
