@@ -138,3 +138,29 @@ def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
     assert point["num_output_tokens"] == point["num_received_tokens"] \
         == NUM_REQUESTS * MAX_TOKENS
     assert report["baseline"] is None and report["plots"] == {}
+
+
+def test_tune_spec_measures_or_says_why_not(daemon: Daemon, tmp_path: Path) -> None:
+    env = tmp_path / "specd.env"
+    env.write_text("SPECD_MODEL=/srv/m\nSPECD_ARGS=--device cpu\n")
+    with daemon.client() as client:
+        speculative = client.status().resolved["speculative"]
+    result = CliRunner().invoke(ctl_bench, [
+        "--socket", str(daemon.socket_path), "tune-spec", "--batch-sizes", "1,2",
+        "--max-tokens", "8", "--json", "--write-env", str(env)])
+    if not speculative:
+        assert result.exit_code == 1
+        assert "without speculation" in result.output
+        assert env.read_text() == "SPECD_MODEL=/srv/m\nSPECD_ARGS=--device cpu\n"
+        return
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    tuning = json.loads(result.stdout)
+    assert [row["batch_size"] for row in tuning["rows"]] == [1, 2]
+    for row in tuning["rows"]:
+        assert row["off"]["step_ms"] > 0 and row["on"]["step_ms"] > 0 and row["speedup"] > 0
+        assert row["off"]["drafted"] == 0 and row["on"]["drafted"] > 0
+        assert row["on"]["tokens_per_step"] > 0
+    args = env.read_text().splitlines()[1]
+    assert args.startswith("SPECD_ARGS=--device cpu --spec-mode ")
+    for flag, value in tuning["recommended_flags"].items():
+        assert f"{flag} {value}" in args
