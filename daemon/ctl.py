@@ -355,5 +355,16 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         sys.exit(EXIT_DOCTOR_PROBLEM)
 
 
+def _register_commands() -> None:
+    """Commands that live in their own modules (owned with the features they drive)."""
+    from specd.daemon.ctl_bench import bench, top, tune_spec
+    from specd.daemon.service_install import install_service
+
+    for command in (bench, top, tune_spec, install_service):
+        cli.add_command(command)
+
+
+_register_commands()
+
 if __name__ == "__main__":
     cli()
