@@ -17,10 +17,12 @@ Reporting (table, JSON, plots) lives in `bench_report`, the transformers baselin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,12 +225,17 @@ async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig
         wall = time.perf_counter() - started
     finally:
         sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # a sampler failure propagates
+            await sampler
     stats_after = await client.stats()
     return PointRun(mode, concurrency, config.request_rate, wall, tuple(records), errors,
                     tuple(samples), stats_before, stats_after)
 
 
-async def _closed_loop(one: Any, num_requests: int, concurrency: int, give_up_at: float
+Send = Callable[[int], Awaitable[None]]  # sends prompt `index` and records the outcome
+
+
+async def _closed_loop(one: Send, num_requests: int, concurrency: int, give_up_at: float
                        ) -> None:
     indices = iter(range(num_requests))
 
@@ -241,7 +248,7 @@ async def _closed_loop(one: Any, num_requests: int, concurrency: int, give_up_at
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def _poisson(one: Any, num_requests: int, concurrency: int, rate: float,
+async def _poisson(one: Send, num_requests: int, concurrency: int, rate: float,
                    rng: random.Random, give_up_at: float) -> None:
     in_flight = asyncio.Semaphore(concurrency)
     tasks = []
