@@ -113,11 +113,12 @@ def run_top(socket_path: Path | None, timeout: float, interval: float,
     errors (daemon gone) propagate to the caller."""
     before: Snapshot | None = None
     count = 0
+    clear = CLEAR if out.isatty() else "\n"  # piped: frames one after another
     with Client(socket_path, timeout=timeout) as client, _keys(keys) as can_read_keys:
         try:
             while num_frames is None or count < num_frames:
                 now = Snapshot(time.monotonic(), client.status())
-                out.write(CLEAR + "\n".join(render(now, before)) + "\n")
+                out.write(clear + "\n".join(render(now, before)) + "\n")
                 out.flush()
                 before, count = now, count + 1
                 if num_frames is not None and count >= num_frames:
