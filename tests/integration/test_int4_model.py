@@ -31,7 +31,6 @@ from specd.workers.quantization import Int4Linear
 from specd.workers.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import quantize as quantize_tool  # noqa: E402  (tools/ is not a package)
 
@@ -97,6 +96,7 @@ def _oracle_logits(hf: Any, token_ids: list[int]) -> torch.Tensor:
 
 
 def test_int4_checkpoint_runs_like_compressed_tensors_decompression(int4_dir: Path) -> None:
+    pytest.importorskip("compressed_tensors")  # transformers' INT4 loading goes through it
     runner = ModelRunner(EngineConfig(model=str(int4_dir), dtype="float32",
                                       block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS))
     layers = dict(runner.model.named_modules())
