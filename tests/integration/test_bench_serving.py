@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from daemon_harness import Daemon
 
-from specd.daemon.ctl_bench import main as ctl_bench
+from specd.daemon.ctl import cli as specctl
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 3
@@ -41,7 +41,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 def _bench(daemon: Daemon, out_dir: Path, *options: str) -> tuple[dict[str, Any], str]:
-    result = CliRunner().invoke(ctl_bench, [
+    result = CliRunner().invoke(specctl, [
         "--socket", str(daemon.socket_path), "bench", "--max-tokens", str(MAX_TOKENS),
         "--num-requests", str(NUM_REQUESTS), "--out-dir", str(out_dir), *options])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -145,7 +145,7 @@ def test_tune_spec_measures_or_says_why_not(daemon: Daemon, tmp_path: Path) -> N
     env.write_text("SPECD_MODEL=/srv/m\nSPECD_ARGS=--device cpu\n")
     with daemon.client() as client:
         speculative = client.status().resolved["speculative"]
-    result = CliRunner().invoke(ctl_bench, [
+    result = CliRunner().invoke(specctl, [
         "--socket", str(daemon.socket_path), "tune-spec", "--batch-sizes", "1,2",
         "--max-tokens", "8", "--json", "--write-env", str(env)])
     if not speculative:

@@ -30,11 +30,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 def _spawn_top(socket_path: Path) -> tuple[int, int]:
-    """`top` as the session leader of a new pseudo-terminal (its controlling terminal, so
+    """`specctl top` as the session leader of a new pseudo-terminal (its controlling terminal, so
     Ctrl-C typed into it raises SIGINT); returns (pid, master fd)."""
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(sys.executable, [sys.executable, "-m", "specd.daemon.ctl_bench",
+        os.execv(sys.executable, [sys.executable, "-m", "specd.daemon.ctl",
                                   "--socket", str(socket_path), "top", "--interval", "0.2"])
     return pid, fd
 
