@@ -227,3 +227,31 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
     fig.savefig(paths["acceptance"])
     plt.close(fig)
     return {name: str(path) for name, path in paths.items()}
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The points and targets as a Markdown table (for docs/benchmarks.md)."""
+    lines = ["| mode | concurrency | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 ms | "
+             "ITL p50 / p90 / p99 ms | acceptance length | spec share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in report["points"]:
+        lines.append(
+            f"| {p['mode']} | {p['concurrency']} | {p['output_tokens_per_s']:.1f} | "
+            f"{p['requests_per_s']:.2f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
+            f"{p['tpot_ms']['p50']:.1f} | {p['itl_ms']['p50']:.1f} / {p['itl_ms']['p90']:.1f} / "
+            f"{p['itl_ms']['p99']:.1f} | {p['acceptance_length']:.2f} | {p['spec_share']:.2f} |")
+    baseline = report.get("baseline")
+    if baseline is not None:
+        lines += ["", f"transformers `generate()` at batch 1: {baseline['tokens_per_s']:.1f} "
+                      f"tok/s ({baseline['num_prompts']} prompts x {baseline['max_new_tokens']} "
+                      "tokens, greedy)."]
+    targets = report["targets"]
+    for row in targets["auto_vs_best"]:
+        lines.append(f"- auto / best(on, off) at concurrency {row['concurrency']}: "
+                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'})")
+    versus = targets["batch1_vs_transformers"]
+    if versus["ratio"] is not None:
+        lines.append(f"- specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
+                     f"({'met' if versus['met'] else 'not met'}; target "
+                     f"{targets['baseline_target']}x)")
+    return "\n".join(lines) + "\n"

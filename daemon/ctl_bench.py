@@ -93,7 +93,8 @@ def machine_info() -> dict[str, Any]:
 @click.option("--max-tokens", type=int, default=64, show_default=True,
               help="output tokens per request (ignore_eos: every request makes them all)")
 @click.option("--out-dir", type=click.Path(path_type=Path), default=Path("bench_out/serving"),
-              show_default=True, help="where bench_serving.json and the PNG plots go")
+              show_default=True, help="where bench_serving.json, bench_serving.md (the table in "
+              "Markdown) and the PNG plots go")
 @click.option("--plots/--no-plots", default=True, show_default=True)
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="also time transformers generate() at batch 1 on the same prompts")
@@ -140,6 +141,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
     if plots and points:
         report["plots"] = bench_report.write_plots(report, out_dir)
     bench_report.write_json(report, out_dir / "bench_serving.json")
+    (out_dir / "bench_serving.md").write_text(bench_report.format_markdown(report))
     click.echo(bench_report.format_table(report))
     click.echo(f"wrote {out_dir / 'bench_serving.json'}"
                + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
