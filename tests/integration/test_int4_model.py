@@ -149,11 +149,11 @@ def test_int4_model_on_cuda_matches_the_cpu_path(int4_dir: Path) -> None:
 
 # ----------------------------------------------------------------------------- the fixture
 
-FIXTURE_PROMPTS = 8
-FIXTURE_NEW_TOKENS = 32
-# Measured on the fixture (group 32, down_proj kept bf16 since 688 is no multiple of 32):
-# see the report of issue 4; the floor leaves margin below the measured figure.
-MIN_TEACHER_FORCED_AGREEMENT = 0.8
+# Measured on the fixture (group 32; down_proj kept bf16, 688 being no multiple of 32) with
+# fixture_agreement(..., num_prompts=8, new_tokens=32): teacher-forced 0.996 (255 of 256),
+# free-running 0.883 of positions, 7 of 8 continuations identical, mean common prefix 28.3.
+# The test runs a smaller sample; the floor leaves margin below the measured figure.
+MIN_TEACHER_FORCED_AGREEMENT = 0.9
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -177,19 +177,22 @@ def _teacher_forced(runner: ModelRunner, prompts: list[list[int]],
     return [lg[len(p) - 1:-1].argmax(-1).tolist() for p, lg in zip(prompts, logits, strict=True)]
 
 
-def fixture_agreement(fixture_dir: Path, int4_dir: Path) -> dict[str, float]:
-    """Token agreement of the INT4 build with the bf16 fixture over held-out prompts."""
+def fixture_agreement(fixture_dir: Path, int4_dir: Path, num_prompts: int,
+                      new_tokens: int) -> dict[str, float]:
+    """Greedy token agreement of the INT4 build with the bf16 model over the first
+    `num_prompts` held-out prompts: teacher-forced (INT4 argmax after the bf16 prefix) and
+    free-running (position by position, common prefix, identical continuations)."""
     from specd.daemon.tokenizer import Tokenizer
 
-    lines = (fixture_dir / "heldout_prompts.jsonl").read_text().splitlines()[:FIXTURE_PROMPTS]
+    lines = (fixture_dir / "heldout_prompts.jsonl").read_text().splitlines()[:num_prompts]
     tokenizer = Tokenizer.from_dir(fixture_dir)
     prompts = [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
     runners = [ModelRunner(EngineConfig(model=str(d), dtype="float32", block_size=16,
-                                        num_kv_blocks=FIXTURE_PROMPTS * 64))
+                                        num_kv_blocks=num_prompts * 64))
                for d in (fixture_dir, int4_dir)]
-    dense_out, int4_out = (_greedy(r, prompts, FIXTURE_NEW_TOKENS) for r in runners)
+    dense_out, int4_out = (_greedy(r, prompts, new_tokens) for r in runners)
     forced = _teacher_forced(runners[1], prompts, dense_out)
-    total = FIXTURE_PROMPTS * FIXTURE_NEW_TOKENS
+    total = num_prompts * new_tokens
     prefix = [next((i for i, (a, b) in enumerate(zip(d, q, strict=True)) if a != b), len(d))
               for d, q in zip(dense_out, int4_out, strict=True)]
     return {
@@ -198,7 +201,7 @@ def fixture_agreement(fixture_dir: Path, int4_dir: Path) -> dict[str, float]:
         "free_running_positional": sum(a == b for d, q in zip(dense_out, int4_out, strict=True)
                                        for a, b in zip(d, q, strict=True)) / total,
         "mean_common_prefix": sum(prefix) / len(prefix),
-        "identical_sequences": sum(p == FIXTURE_NEW_TOKENS for p in prefix) / len(prefix),
+        "identical_sequences": sum(p == new_tokens for p in prefix) / len(prefix),
     }
 
 
@@ -209,5 +212,5 @@ def test_fixture_int4_build_agrees_with_bf16(tmp_path: Path) -> None:
     # The fixture's intermediate size (688) is no multiple of 32: down_proj stays bf16.
     assert quantize_tool.main([str(FIXTURE_DIR), str(tmp_path / "int4"), "--group-size", "32",
                                "--ignore", r"re:.*mlp\.down_proj"]) == 0
-    agreement = fixture_agreement(FIXTURE_DIR, tmp_path / "int4")
+    agreement = fixture_agreement(FIXTURE_DIR, tmp_path / "int4", num_prompts=4, new_tokens=24)
     assert agreement["teacher_forced"] >= MIN_TEACHER_FORCED_AGREEMENT, agreement
