@@ -30,7 +30,6 @@ from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.model_config import ModelConfig
 from specd.workers.models import build_meta_model
 from specd.workers.models.decoder import STACKED_PARAMS, DecoderForCausalLM
-from specd.workers.quantization import linear_factory_for
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,12 +47,7 @@ class Target:
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                make_linear: LinearFactory = dense_linear) -> DecoderForCausalLM:
-    """The model of `cfg.model_dir` with every weight loaded, in eval mode without grads.
-
-    A checkpoint with a `quantization_config` (compressed-tensors pack-quantized INT4) gets
-    `Int4Linear` layers wherever the config quantizes a linear; the rest use `make_linear`.
-    """
-    make_linear = linear_factory_for(cfg.quantization_config, make_linear)
+    """The model of `cfg.model_dir` with every weight loaded, in eval mode without grads."""
     model = build_meta_model(cfg, device, make_linear)
     model.to(dtype)  # floating-point parameters take the dtype; packed integers keep theirs
     model.to_empty(device=device)
