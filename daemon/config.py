@@ -88,5 +88,14 @@ class DaemonConfig:
 
     @property
     def runtime_base_dir(self) -> Path:
-        """Where the front makes its private link directory (next to the socket)."""
+        """Where the front makes its private ZeroMQ link directory.
+
+        Under systemd this is the service's own runtime directory (`$RUNTIME_DIRECTORY`,
+        from `RuntimeDirectory=specd-engine`; the first entry when several are listed):
+        the socket's directory `/run/specd` belongs to specd.socket and the service
+        cannot write there. Without systemd, next to the socket.
+        """
+        runtime = os.environ.get("RUNTIME_DIRECTORY")
+        if runtime:
+            return Path(runtime.split(":")[0])
         return self.socket_dir

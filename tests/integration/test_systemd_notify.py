@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -422,19 +423,19 @@ def test_socket_activation_starts_the_daemon_on_first_connection(
     client.close()
 
 
-@pytest.mark.xfail(strict=True, reason="front: the link directory is made next to the socket "
-                   "(DaemonConfig.runtime_base_dir), not in $RUNTIME_DIRECTORY; under the unit "
-                   "/run/specd belongs to specd.socket (root, read-only to the service)")
 def test_link_directory_goes_to_the_service_runtime_directory(
         daemons: list[Daemon], tmp_path: Path, model_dir: Path) -> None:
     # systemd sets $RUNTIME_DIRECTORY (RuntimeDirectory=specd-engine), the one directory
     # under /run the service may write; the socket's directory is the socket unit's.
-    runtime = tmp_path / "specd-engine"
-    runtime.mkdir()
-    daemon = Daemon(tmp_path, ["--model", str(model_dir), "--speculative-algorithm", "none"],
-                    extra_env={"RUNTIME_DIRECTORY": str(runtime)})
-    daemons.append(daemon)
-    daemon.recorder.wait_for("STATUS=starting: scheduler: spawn", START_S, daemon.process)
-    cmdline = Path(f"/proc/{daemon.scheduler_pid()}/cmdline").read_bytes().split(b"\0")
-    link_dir = Path(cmdline[cmdline.index(b"--link-dir") + 1].decode())
-    assert link_dir.parent == runtime
+    # A short directory in /tmp, like /run/specd-engine: the link's ZeroMQ socket paths
+    # must fit sun_path (107 bytes), which pytest's deep tmp_path would not leave room for.
+    with tempfile.TemporaryDirectory(prefix="specd-engine-") as name:
+        runtime = Path(name)
+        daemon = Daemon(tmp_path, ["--model", str(model_dir), "--speculative-algorithm",
+                                   "none"], extra_env={"RUNTIME_DIRECTORY": f"{runtime}:/unused"})
+        daemons.append(daemon)
+        daemon.recorder.wait_for("STATUS=starting: scheduler: spawn", START_S, daemon.process)
+        cmdline = Path(f"/proc/{daemon.scheduler_pid()}/cmdline").read_bytes().split(b"\0")
+        link_dir = Path(cmdline[cmdline.index(b"--link-dir") + 1].decode())
+        assert link_dir.parent == runtime
+        daemon.close()  # before the directory goes
