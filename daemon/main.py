@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 import uvloop
+import zmq
 
 from specd.daemon.activation import SocketInUseError, bind_unix_socket, listening_socket_from_env
 from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
@@ -177,7 +178,16 @@ def run_daemon(config: DaemonConfig) -> int:
         return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
 
     async def serve() -> int:
-        return await Front(config, lifecycle, tokenizer, listener).run()
+        # Building the front makes the link directory, binds the ZeroMQ link and spawns
+        # the scheduler: a failure there is the host's configuration (a directory that
+        # cannot be made or written, a path too long for a socket), not a bug.
+        try:
+            front = Front(config, lifecycle, tokenizer, listener)
+        except (OSError, zmq.ZMQError) as exc:
+            return _config_failure(
+                lifecycle, f"cannot start the scheduler (link directory under "
+                f"{config.runtime_base_dir}): {exc}", exc_info=exc)
+        return await front.run()
 
     try:
         code = uvloop.run(serve())
@@ -189,9 +199,13 @@ def run_daemon(config: DaemonConfig) -> int:
     return code
 
 
-def _config_failure(lifecycle: Lifecycle, cause: str) -> int:
+def _config_failure(lifecycle: Lifecycle, cause: str,
+                    exc_info: BaseException | None = None) -> int:
+    """Report a configuration failure (STATUS and one log record, with the traceback when
+    `exc_info` is given) and return EXIT_CONFIG."""
     lifecycle.failed(cause)
-    log_event(log, logging.ERROR, "config_error", cause, exit_code=EXIT_CONFIG)
+    log_event(log, logging.ERROR, "config_error", cause, exc_info=exc_info,
+              exit_code=EXIT_CONFIG)
     return EXIT_CONFIG
 
 

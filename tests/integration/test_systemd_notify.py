@@ -375,6 +375,31 @@ def test_model_that_cannot_load_exits_78(daemons: list[Daemon], tmp_path: Path,
     assert "READY=1" not in messages
 
 
+@pytest.mark.parametrize("case", ["under_a_file", "too_long_for_a_socket"])
+def test_link_that_cannot_be_made_exits_78(daemons: list[Daemon], tmp_path: Path,
+                                           model_dir: Path, case: str) -> None:
+    # The front's link directory lives in $RUNTIME_DIRECTORY: one that cannot be created
+    # (OSError), or so deep that the ZeroMQ socket paths exceed sun_path (ZMQError), is the
+    # host's configuration: exit 78 (no restart), not a traceback and exit 1.
+    (tmp_path / "file").write_text("")
+    runtime = {"under_a_file": tmp_path / "file" / "specd-engine",
+               "too_long_for_a_socket": tmp_path / ("d" * 100)}[case]
+    daemon = Daemon(tmp_path, ["--model", str(model_dir), "--speculative-algorithm", "none",
+                               "--log-format", "json"],
+                    extra_env={"RUNTIME_DIRECTORY": str(runtime)})
+    daemons.append(daemon)
+    assert daemon.wait_exit(START_S) == 78
+    messages = daemon.recorder.messages
+    assert re.fullmatch(r"STATUS=FAILED: cannot start the scheduler \(link directory under "
+                        + re.escape(str(runtime)) + r"\): .+", messages[-1])
+    assert "READY=1" not in messages
+    records = [json.loads(line) for line in daemon.log().splitlines()]
+    errors = [r for r in records if r.get("event") == "config_error"]
+    assert len(errors) == 1 and errors[0]["exit_code"] == 78
+    assert "Traceback (most recent call last)" in errors[0]["traceback"]
+    assert records[-1]["event"] == "exit" and records[-1]["exit_code"] == 78
+
+
 @pytest.mark.slow
 def test_slow_load_keeps_extending_the_start_timeout(daemons: list[Daemon], tmp_path: Path,
                                                      model_dir: Path) -> None:
