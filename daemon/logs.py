@@ -4,12 +4,18 @@ Every record may carry an `event` name (`scheduler_died`, `request_aborted`, ...
 `request_id` and other fields, passed through `log_event`. In JSON a record is exactly one
 line, its traceback included (`"traceback"`), so journald keeps it as one entry. Text
 output is for people at a terminal: one line, then the traceback's lines if there is one.
+
+When stderr is the journal (`$JOURNAL_STREAM` names its device and inode, as systemd sets
+it for a service), every line starts with its sd-daemon(3) priority (`<3>` error and
+critical, `<4>` warning, `<6>` info, `<7>` debug) and text records have their newlines
+escaped as `\\n`: journald makes one entry per line, so a record must be one line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -57,12 +63,52 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class JournalFormatter(logging.Formatter):
+    """Wraps a formatter for journald's stream: `<priority>` first, the record on one line."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{journal_priority(record.levelno)}>" + self.inner.format(record).replace(
+            "\n", "\\n")
+
+
+def journal_priority(levelno: int) -> int:
+    """syslog priority of a logging level: 3 err, 4 warning, 6 info, 7 debug."""
+    if levelno >= logging.ERROR:
+        return 3
+    if levelno >= logging.WARNING:
+        return 4
+    if levelno >= logging.INFO:
+        return 6
+    return 7
+
+
+def stderr_is_journal() -> bool:
+    """True when `$JOURNAL_STREAM` ("<device>:<inode>") is the file open as sys.stderr."""
+    expected = os.environ.get("JOURNAL_STREAM")
+    if not expected:
+        return False
+    try:
+        stat = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):  # no file descriptor behind sys.stderr (closed, replaced)
+        return False
+    return expected == f"{stat.st_dev}:{stat.st_ino}"
+
+
 def setup_logging(log_format: str, level: str) -> None:
-    """Route every logger to stderr in `log_format` ("json" or "text") at `level`."""
+    """Route every logger to stderr in `log_format` ("json" or "text") at `level`, with
+    journald priorities when stderr is the journal."""
     if log_format not in ("json", "text"):
         raise ValueError(f"log format must be json or text, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    formatter: logging.Formatter = (JsonFormatter() if log_format == "json"
+                                    else TextFormatter())
+    if stderr_is_journal():
+        formatter = JournalFormatter(formatter)
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
