@@ -1,18 +1,17 @@
 """`specctl install-service`: write specd's systemd units and environment file for one model.
 
-Renders the templates in the repository's `systemd/` folder (specd.service, specd.socket,
-specd.env) with the model path, draft path, user and specd executable given, writes them
-(plus a sysusers.d entry when the user does not exist yet, and a drop-in when a path lies
-under a home directory that ProtectHome= would hide), then prints the `systemctl` commands
-to run. `--dry-run` prints every file instead of writing it. `--prefix` is a DESTDIR-style
-root for tests and packaging: files are written below it, while their contents name the
-real paths.
-
-Runs as `python -m specd.daemon.service_install` until specctl registers it.
+Renders the templates shipped as package data of `specd.systemd` (the repository's
+`systemd/` folder: specd.service, specd.socket, specd.env) with the model path, draft path,
+user and specd executable given, writes them (plus a sysusers.d entry when the user does
+not exist yet, and a drop-in when a path lies under a home directory that ProtectHome=
+would hide), then prints the `systemctl` commands to run. `--dry-run` prints every file
+instead of writing it. `--prefix` is a DESTDIR-style root for tests and packaging: files
+are written below it, while their contents name the real paths.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import pwd
 import re
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import click
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "systemd"
 TEMPLATE_BIN = "/opt/specd/venv/bin/specd"
 TEMPLATE_USER = "specd"
 # ProtectHome=yes makes these invisible to the service.
@@ -36,6 +34,16 @@ class InstallFile:
 
     path: Path
     text: str
+
+
+def default_template_dir() -> Path:
+    """The folder of the unit templates installed with specd (package `specd.systemd`),
+    in a wheel as in the source tree."""
+    templates = importlib.resources.files("specd.systemd")
+    if not isinstance(templates, Path):  # e.g. imported from a zip: no folder to read
+        raise click.UsageError(f"the specd.systemd templates are not a folder on disk "
+                               f"({templates!r}); pass --templates")
+    return templates
 
 
 def set_key(text: str, key: str, value: str) -> str:
@@ -166,7 +174,8 @@ def next_steps(files: list[InstallFile], user: str) -> list[str]:
 @click.option("--env-dir", type=Path, default=Path("/etc/specd"), show_default=True)
 @click.option("--sysusers-dir", type=Path, default=Path("/etc/sysusers.d"), show_default=True)
 @click.option("--templates", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=TEMPLATE_DIR, show_default=True, help="Folder holding the unit templates.")
+              default=default_template_dir, show_default="the specd.systemd package",
+              help="Folder holding the unit templates.")
 @click.option("--force", is_flag=True, help="Replace existing files with other contents.")
 @click.option("--dry-run", is_flag=True, help="Print the files and commands; write nothing.")
 def install_service(

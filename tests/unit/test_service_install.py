@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import fnmatch
+import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
-from specd.daemon.service_install import install_service
+import specd.systemd
+from specd.daemon.service_install import default_template_dir, install_service
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -108,3 +113,25 @@ def test_paths_under_home_get_protect_home_read_only(paths: dict[str, Path]) -> 
     dropin = read(paths, "/etc/systemd/system/specd.service.d/10-protect-home.conf")
     assert "#   /root/.venv/bin/specd\n" in dropin
     assert dropin.endswith("[Service]\nProtectHome=read-only\n")
+
+
+def test_templates_come_from_the_installed_package() -> None:
+    # importlib.resources finds them wherever specd is installed (a wheel, or editable).
+    templates = default_template_dir()
+    assert templates == Path(specd.systemd.__file__).parent
+    for name in ("specd.service", "specd.socket", "specd.env"):
+        assert (templates / name).is_file(), name
+
+
+def test_every_template_ships_in_the_wheel() -> None:
+    # pyproject maps specd.systemd to systemd/ and lists its package data: a template
+    # that no pattern matches would be missing from an installed wheel.
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"]["specd.systemd"] == "systemd"
+    assert "specd.systemd" in setuptools["packages"]
+    patterns = setuptools["package-data"]["specd.systemd"]
+    templates = [p.name for p in (REPO / "systemd").iterdir() if p.suffix != ".py"
+                 and p.name != "__pycache__"]
+    assert sorted(templates) == ["specd.env", "specd.service", "specd.socket"]
+    for name in templates:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name

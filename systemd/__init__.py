@@ -1,0 +1,1 @@
+"""The systemd unit templates (package data read by `specctl install-service`)."""
