@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--batch1-prompts", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 avoids stalls when other work shares the cores)")
     p.add_argument("--out", default="bench_out/bench_engine.json")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     engine = specd.Engine(args.model, spec_mode="off")
     engine.core.warmup()
