@@ -459,8 +459,7 @@ def test_link_directory_goes_to_the_service_runtime_directory(
         daemon = Daemon(tmp_path, ["--model", str(model_dir), "--speculative-algorithm",
                                    "none"], extra_env={"RUNTIME_DIRECTORY": f"{runtime}:/unused"})
         daemons.append(daemon)
-        daemon.recorder.wait_for("STATUS=starting: scheduler: spawn", START_S, daemon.process)
-        cmdline = Path(f"/proc/{daemon.scheduler_pid()}/cmdline").read_bytes().split(b"\0")
-        link_dir = Path(cmdline[cmdline.index(b"--link-dir") + 1].decode())
-        assert link_dir.parent == runtime
+        daemon.wait_ready()  # the scheduler came up over the link in that directory
+        assert [p.name.startswith("link-") for p in runtime.iterdir()] == [True]
+        assert not list(tmp_path.glob("link-*"))  # not next to the socket
         daemon.close()  # before the directory goes
