@@ -20,6 +20,9 @@ from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
+from specd.workers.spec.controller import SpecController
+from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.worker import SpecFigures, SpeculativeWorker, read_draft_config
 
 log = logging.getLogger("specd.engine")
 
@@ -54,6 +57,14 @@ class EngineStats:
     spec_active: bool
     num_drafted: int
     num_accepted: int
+    num_verify_passes: int = 0
+    acceptance_length: float = 0.0
+    # accepted_at_depth[d] / num_verify_passes: acceptance rate of draft position d + 1
+    accepted_at_depth: tuple[int, ...] = ()
+    spec_transitions: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    catch_up_s: float = 0.0
 
 
 class EngineCore:
@@ -62,7 +73,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_path)
-        self.runner = ModelRunner(config, self.model_config)
+        # Without a draft model the runner runs steps itself; with one, the speculative
+        # worker wraps it (and the runner captures the head's hidden states every step).
+        self.spec: SpeculativeWorker | None = _build_speculative(config, self.model_config)
+        self.runner = (self.spec.runner if self.spec is not None
+                       else ModelRunner(config, self.model_config))
         self.max_model_len = _max_model_len(config, self.model_config, self.runner.num_kv_blocks)
         self.scheduler = Scheduler(
             config, self.runner.num_kv_blocks, self.max_model_len, self.model_config.eos_token_ids
@@ -75,7 +90,7 @@ class EngineCore:
             dtype=config.torch_dtype_name,
             device=config.device,
             eos_token_ids=self.model_config.eos_token_ids,
-            speculative=False,
+            speculative=self.spec is not None,
         )
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
@@ -117,8 +132,19 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        output = self.runner.execute(batch)
-        updated = self.scheduler.update(batch, output)
+        if self.spec is None:
+            output = self.runner.execute(batch)
+            updated = self.scheduler.update(batch, output)
+        else:
+            output = self.spec.execute(batch)
+            updated = self.scheduler.update(batch, output)
+            # Drafts for the next step: after update, which consumes the previous drafts
+            # and appends the tokens the drafts continue from.
+            event = self.spec.update_controller(self.scheduler.num_running)
+            if event is not None:
+                log.info("speculation %s", "on" if event.enabled else "off",
+                         extra=event.as_dict())
+            self.spec.propose(updated)
         self._num_steps += 1
         return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
 
@@ -128,6 +154,8 @@ class EngineCore:
         self._num_emitted[seq.request_id] = seq.num_output_tokens
         self._num_generated += len(new)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        drafted, accepted = (self.spec.request_figures(seq.request_id)
+                             if self.spec is not None else (0, 0))
         if seq.is_finished:
             self._forget(seq.request_id)
         return RequestDelta(
@@ -138,11 +166,29 @@ class EngineCore:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs[: len(new)],
+            num_drafted=drafted,
+            num_accepted=accepted,
         )
 
     def _forget(self, request_id: str) -> None:
         self._num_emitted.pop(request_id, None)
-        self.runner.release(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
+        else:
+            self.runner.release(request_id)
+
+    def set_spec_mode(self, mode: str, threshold: int | None = None) -> None:
+        """Change speculation at run time: mode on|off|auto, and the auto threshold (the
+        resume mark follows it). ValueError for a bad mode/threshold, or for on/auto
+        without a draft model."""
+        if self.spec is None:
+            if mode != "off":
+                raise ValueError(f"spec mode {mode!r} needs a draft model; this engine has "
+                                 "none (speculative_algorithm or draft_model unset)")
+            return
+        event = self.spec.controller.set_mode(mode, threshold)
+        if event is not None:
+            log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
 
     def warmup(self) -> None:
         """Run every path once (prefill, decode, sampling) so the first request pays nothing."""
@@ -155,6 +201,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
+        fig = self.spec.figures if self.spec is not None else SpecFigures()
+        controller = self.spec.controller if self.spec is not None else None
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -163,11 +211,36 @@ class EngineCore:
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated,
             num_preemptions=self.scheduler.stats().num_preemptions,
-            spec_mode="off",
-            spec_active=False,
-            num_drafted=0,
-            num_accepted=0,
+            spec_mode=controller.mode if controller is not None else "off",
+            spec_active=controller.enabled if controller is not None else False,
+            num_drafted=fig.num_drafted,
+            num_accepted=fig.num_accepted,
+            num_verify_passes=fig.num_verify_passes,
+            acceptance_length=fig.acceptance_length,
+            accepted_at_depth=tuple(fig.accepted_at_depth),
+            spec_transitions=controller.num_transitions if controller is not None else 0,
+            draft_s=fig.draft_s,
+            verify_s=fig.verify_s,
+            catch_up_s=fig.catch_up_s,
         )
+
+
+def _build_speculative(config: EngineConfig, model_config: ModelConfig
+                       ) -> SpeculativeWorker | None:
+    """The speculative worker (with its runner), or None without a draft model. Every
+    step raises out of here: an unreadable head, one that does not fit the target, a bad
+    controller configuration."""
+    path = config.draft_model_path
+    if config.speculative_algorithm is None or path is None:
+        return None
+    draft_config = read_draft_config(path)
+    aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
+    runner = ModelRunner(config, model_config, capture_layers=aux_layers)
+    # The head shares the target's token embedding unless its checkpoint has its own.
+    head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
+                           device=runner.device)
+    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold)
+    return SpeculativeWorker(config, runner, head, controller)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
