@@ -72,7 +72,8 @@ def machine_info() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
-            "num_cpus": os.cpu_count(), "python": platform.python_version()}
+            "num_cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_average_1m": os.getloadavg()[0]}  # other work competing for the CPUs
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -119,6 +120,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
                              timeout_s=max(_timeout(ctx), 600.0))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    machine_before = machine_info()
     sweep = _run(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
     points = [bench_report.summarize(p) for p in sweep.points]
     baseline_result = None
@@ -131,7 +133,8 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
         baseline_result = run_baseline(model, load_prompts(baseline_prompts), max_tokens)
     report: dict[str, Any] = {
         "benchmark": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "command": " ".join(sys.argv), "machine": machine_info(), "daemon": sweep.daemon,
+        "command": " ".join(sys.argv), "machine": machine_before,
+        "load_average_1m_after": os.getloadavg()[0], "daemon": sweep.daemon,
         "config": {"modes": list(config.modes), "concurrencies": list(config.concurrencies),
                    "request_rate": config.request_rate, "max_tokens": config.max_tokens,
                    "num_requests": config.num_requests, "max_duration_s": config.max_duration_s},

@@ -21,8 +21,8 @@ MAX_TOKENS = 12
 NUM_REQUESTS = 3
 CONCURRENCIES = (1, 2)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-REPORT_KEYS = {"benchmark", "date", "command", "machine", "daemon", "config", "points",
-               "skipped_modes", "baseline", "targets", "plots"}
+REPORT_KEYS = {"benchmark", "date", "command", "machine", "load_average_1m_after", "daemon",
+               "config", "points", "skipped_modes", "baseline", "targets", "plots"}
 POINT_KEYS = {"mode", "concurrency", "request_rate", "num_requests", "num_errors", "errors",
               "wall_s", "output_tokens_per_s", "requests_per_s", "num_output_tokens",
               "num_received_tokens", "num_prompt_tokens", "ttft_ms", "tpot_ms", "itl_ms",
