@@ -49,18 +49,32 @@ def _engine_delta(point: PointRun, key: str) -> int | None:
 
 
 def spec_share(point: PointRun) -> tuple[float, str]:
-    """The share of engine steps that speculated, and where the figure comes from:
-    "counter" when the engine counts speculative steps (stats engine.num_spec_steps),
-    else "sampled" (the share of stats samples, taken while requests ran, in which
-    speculation was active)."""
-    spec_steps = _engine_delta(point, "num_spec_steps")
-    steps = _engine_delta(point, "num_steps")
-    if spec_steps is not None and steps:
-        return spec_steps / steps, "counter"
+    """The share of output tokens that speculative steps produced, and where the figure
+    comes from: "counter" from the engine's counters (each verify pass emits its accepted
+    drafts + 1 token: (accepted + verify passes) / generated tokens), else "sampled" (the
+    share of stats samples, taken while requests ran, in which speculation was active).
+    A request's first token comes from its prefill step, so `on` stays a little below 1."""
+    passes = _engine_delta(point, "num_verify_passes")
+    accepted = _engine_delta(point, "num_accepted")
+    generated = _engine_delta(point, "num_generated_tokens")
+    if passes is not None and accepted is not None and generated:
+        return min(1.0, (passes + accepted) / generated), "counter"
     busy = [s for s in point.samples if s.num_running > 0]
     if not busy:
         return 0.0, "sampled"
     return sum(s.spec_active for s in busy) / len(busy), "sampled"
+
+
+def acceptance_length(point: PointRun) -> float:
+    """Tokens per verify pass over the point, (accepted + passes) / passes, from the
+    engine's counters; else the mean of the requests' own figures; 1.0 without
+    speculation (one token per target step)."""
+    passes = _engine_delta(point, "num_verify_passes")
+    accepted = _engine_delta(point, "num_accepted")
+    if passes and accepted is not None:
+        return (accepted + passes) / passes
+    drafted = [r.acceptance_length for r in point.records if r.num_drafted]
+    return sum(drafted) / len(drafted) if drafted else 1.0
 
 
 def _busy_batch(samples: tuple[EngineSample, ...]) -> float:
@@ -91,8 +105,7 @@ def summarize(point: PointRun) -> dict[str, Any]:
         "tpot_ms": _ms([r.tpot_s for r in records]),
         "itl_ms": _ms([gap for r in records for gap in r.itl_s]),
         "e2e_ms": _ms([r.latency_s for r in records]),
-        "acceptance_length": (sum(r.acceptance_length for r in drafted) / len(drafted)
-                              if drafted else 1.0),
+        "acceptance_length": acceptance_length(point),
         "acceptance_lengths": [r.acceptance_length for r in drafted],
         "num_drafted": sum(r.num_drafted for r in records),
         "num_accepted": sum(r.num_accepted for r in records),

@@ -70,7 +70,9 @@ def render(now: Snapshot, before: Snapshot | None) -> list[str]:
         f"spec       mode {engine.get('spec_mode', '-')}   "
         f"{'active' if engine.get('spec_active') else 'inactive'}   "
         f"accepted {accepted}/{drafted} drafts"
-        + (f" ({accepted / drafted:.0%})" if drafted else ""),
+        + (f" ({accepted / drafted:.0%})" if drafted else "")
+        + (f"   {engine['acceptance_length']:.2f} tokens/pass"
+           if engine.get("acceptance_length") else ""),
         f"kv cache   {_bar(used / total if total else 0.0)} {used}/{total} blocks",
     ]
     if "error" in engine:

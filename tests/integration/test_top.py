@@ -91,7 +91,7 @@ def test_rates_come_from_two_snapshots() -> None:
     engine = {"num_running": 2, "num_waiting": 1, "num_kv_blocks": 100,
               "num_free_kv_blocks": 75, "num_steps": 10, "num_generated_tokens": 100,
               "spec_mode": "auto", "spec_active": True, "num_drafted": 40,
-              "num_accepted": 30, "num_preemptions": 0}
+              "num_accepted": 30, "num_preemptions": 0, "acceptance_length": 2.5}
     first = Snapshot(10.0, _status(engine, 1.0))
     later = Snapshot(12.0, _status(engine | {"num_steps": 30, "num_generated_tokens": 160}, 3.0))
     without_rates = "\n".join(render(first, None))
@@ -99,5 +99,5 @@ def test_rates_come_from_two_snapshots() -> None:
     frame = "\n".join(render(later, first))
     assert "30.0 tok/s" in frame and "10.0 steps/s" in frame
     assert "2 running   1 queued" in frame
-    assert "accepted 30/40 drafts (75%)" in frame
+    assert "accepted 30/40 drafts (75%)   2.50 tokens/pass" in frame
     assert "25/100 blocks" in frame
