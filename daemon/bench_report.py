@@ -162,8 +162,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{p['itl_ms']['p90']:>8.2f} {p['itl_ms']['p99']:>8.2f} "
             f"{p['acceptance_length']:>7.2f} {p['spec_share']:>5.2f} {p['mean_batch']:>5.1f}"
             + (f"  errors {p['errors']}" if p["num_errors"] else ""))
-    lines.append("(latencies in ms; acc len = tokens per target step; spec = share of steps "
-                 "that speculated)")
+    lines.append("(latencies in ms; acc len = tokens per verify pass, 1 without speculation; "
+                 "spec = share of output tokens from speculative steps)")
     for mode, reason in report["skipped_modes"].items():
         lines.append(f"mode {mode} skipped: {reason}")
     baseline = report.get("baseline")
