@@ -8,6 +8,7 @@ All on the embedded fixture model with its committed EAGLE-3 head.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -109,3 +110,71 @@ def test_opted_out_request_is_never_drafted_for() -> None:
             last[d.request_id] = d
     assert last["a"].num_drafted == 0 and last["b"].num_drafted > 0
     assert last["b"].num_accepted <= last["b"].num_drafted
+
+
+# --- sampled ---------------------------------------------------------------------------
+#
+# The statistical test. Generate with temperature 1 and top_k 3, so every emitted token has
+# exactly three possible values. Teacher-force the target over each output to get, at each
+# position i, its filtered distribution p_i over those three tokens ranked by probability.
+# Under speculation that is lossless, the emitted token's rank r_i is drawn from p_i given
+# the prefix, so O_c = #{i: r_i = c} has mean E_c = sum_i p_i(c) and variance at most E_c
+# (a martingale sum), and Pearson's X^2 = sum_c (O_c - E_c)^2 / E_c is at most
+# chi-square(2) in distribution: reject at alpha 1e-3 (X^2 > 13.8). A sampler whose emitted
+# distribution is 2% off in total variation (sum |delta| = 0.04 at every position) gives
+# noncentrality >= n * 0.04^2 = 30.7 with n = 19,200 samples (64 requests x 300 tokens):
+# X^2 then exceeds 13.8 with probability ~0.95. That size takes ~2 min per case on 2 busy
+# cores, so it runs with SPECD_FULL_STAT=1; the default (32 x 160 = 5,120 samples) detects a
+# 3.9% total-variation gap with the same power (noncentrality 5,120 * 0.078^2 = 31).
+
+FULL = os.environ.get("SPECD_FULL_STAT") == "1"
+NUM_SEQS, NUM_TOKENS = (64, 300) if FULL else (32, 160)
+CRITICAL_CHI2_DF2 = 13.82  # alpha = 1e-3
+
+
+def _rank_statistic(core: EngineCore, outputs: dict[str, tuple[list[int], list[int]]],
+                    params: SamplingParams) -> tuple[float, list[float], list[int]]:
+    from specd.workers.attention import build_attention_metadata
+    from specd.workers.sampler import probs_from_logits
+
+    runner = core.runner
+    block = core.config.block_size
+    expected = torch.zeros(3, dtype=torch.float64)
+    observed = [0, 0, 0]
+    with torch.inference_mode():
+        for prompt, out in outputs.values():
+            ids = prompt + out[:-1]
+            n = len(ids)
+            meta = build_attention_metadata([n], [n], [list(range(-(-n // block)))], block,
+                                            runner.device)
+            hidden, _ = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
+            logits = runner.model.compute_logits(hidden[len(prompt) - 1:]).float()
+            probs = probs_from_logits(logits, [params] * len(out))  # [len(out), V]
+            top_p, top_ids = probs.topk(3, dim=-1)  # the support, by descending probability
+            expected += top_p.double().sum(0)
+            for row, token in zip(top_ids.tolist(), out, strict=True):
+                observed[row.index(token)] += 1
+    chi2 = float(sum((o - e) ** 2 / e for o, e in zip(observed, expected.tolist(), strict=True)))
+    return chi2, expected.tolist(), observed
+
+
+@pytest.mark.parametrize("options", [
+    {"spec_topk": 1, "spec_num_steps": 3},
+    {"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6},
+], ids=["chain", "tree"])
+def test_sampled_tokens_follow_the_target_distribution(options: dict[str, Any]) -> None:
+    core = _core(spec_mode="on", max_num_seqs=NUM_SEQS, seed=1, **options)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=3, ignore_eos=True)
+    outputs: dict[str, tuple[list[int], list[int]]] = {}
+    for i in range(NUM_SEQS):
+        prompt = PROMPTS[i % len(PROMPTS)][: 7 + i % 11]
+        core.add_request(f"s{i}", prompt, params)
+        outputs[f"s{i}"] = (prompt, [])
+    while core.has_unfinished():
+        for d in core.step():
+            outputs[d.request_id][1].extend(d.new_token_ids)
+    stats = core.stats()
+    assert stats.num_accepted > 0.2 * stats.num_verify_passes  # drafts were really verified
+    assert all(len(out) == NUM_TOKENS for _, out in outputs.values())
+    chi2, expected, observed = _rank_statistic(core, outputs, params)
+    assert chi2 < CRITICAL_CHI2_DF2, (chi2, expected, observed)
