@@ -1,0 +1,139 @@
+"""Speculative decoding benchmark on the fixture model (CPU, greedy, held-out prompts).
+
+1. Acceptance length (accepted drafts + 1 per verify pass) for chains of 3 and 5 steps and
+   a tree, with acceptance per draft position.
+2. Batch 1, speculation on vs off: tokens/s, and the bound the measured costs allow,
+   acceptance x t_step / (steps x t_draft + t_verify), where t_step is a plain decode step,
+   t_draft one draft level (catch-up included) and t_verify one verify step.
+3. Throughput (output tokens/s) at 1, 4, 16, 64 concurrent requests for off, on and auto.
+
+Prints a table and writes bench_out/bench_spec.json. Run: python tools/bench_spec.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import load_prompts  # noqa: E402
+
+from specd.daemon.tokenizer import Tokenizer  # noqa: E402
+from specd.ipc.sampling import SamplingParams  # noqa: E402
+from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
+from specd.workers.engine import EngineCore  # noqa: E402
+
+SHAPES = {
+    "chain3": {"spec_topk": 1, "spec_num_steps": 3},
+    "chain5": {"spec_topk": 1, "spec_num_steps": 5},
+    "tree": {"spec_topk": 4, "spec_num_steps": 5, "spec_num_draft_tokens": 10},
+}
+
+
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: int,
+        concurrency: int) -> tuple[int, float]:
+    """Serve prompts with at most `concurrency` running; (output tokens, seconds)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    running = 0
+    total = 0
+    t0 = time.perf_counter()
+    while queue or core.has_unfinished():
+        while queue and running < concurrency:
+            i, ids = queue.pop(0)
+            core.add_request(f"b{i}-{time.monotonic_ns()}", ids, params)
+            running += 1
+        for d in core.step():
+            total += len(d.new_token_ids)
+            running -= d.finish_reason is not None
+    return total, time.perf_counter() - t0
+
+
+def plain_step_time(prompt: list[int], max_tokens: int) -> float:
+    """Seconds per plain decode step at batch 1 (prefill excluded)."""
+    core = EngineCore(EngineConfig(speculative_algorithm=None))
+    core.add_request("p", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    core.step()  # prefill
+    t0 = time.perf_counter()
+    n = 0
+    while core.has_unfinished():
+        core.step()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--throughput-tokens", type=int, default=24)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="bench_out/bench_spec.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tok = Tokenizer.from_dir(FIXTURE_DIR)
+    prompts = [tok.encode(t) for t in load_prompts(args.num_prompts)]
+    result: dict[str, Any] = {"acceptance": {}, "batch1": {}, "throughput": {}}
+
+    print("== acceptance (greedy, held-out prompts)")
+    for name, shape in SHAPES.items():
+        core = EngineCore(EngineConfig(spec_mode="on", **shape))
+        run(core, prompts, args.max_tokens, len(prompts))
+        s = core.stats()
+        per_pos = [a / s.num_verify_passes for a in s.accepted_at_depth]
+        result["acceptance"][name] = {"acceptance_length": s.acceptance_length,
+                                      "accepted_rate_by_position": per_pos}
+        print(f"{name:7s} acceptance length {s.acceptance_length:.2f}  by position "
+              + " ".join(f"{r:.2f}" for r in per_pos))
+
+    print("== batch 1: on vs off")
+    t_step = plain_step_time(prompts[0], args.max_tokens)
+    for name in ("chain3", "chain5", "tree"):
+        off = EngineCore(EngineConfig(spec_mode="off"))
+        on = EngineCore(EngineConfig(spec_mode="on", **SHAPES[name]))
+        tok_off, s_off = run(off, prompts[:4], args.max_tokens, 1)
+        tok_on, s_on = run(on, prompts[:4], args.max_tokens, 1)
+        st = on.stats()
+        steps = on.spec.num_steps if on.spec is not None else 1
+        t_draft = (st.draft_s + st.catch_up_s) / (st.num_verify_passes * steps)
+        t_verify = st.verify_s / st.num_verify_passes
+        bound = st.acceptance_length * t_step / (steps * t_draft + t_verify)
+        speedup = (tok_on / s_on) / (tok_off / s_off)
+        result["batch1"][name] = {
+            "tok_s_off": tok_off / s_off, "tok_s_on": tok_on / s_on, "speedup": speedup,
+            "bound": bound, "t_step_ms": t_step * 1e3, "t_draft_ms": t_draft * 1e3,
+            "t_verify_ms": t_verify * 1e3, "acceptance_length": st.acceptance_length}
+        print(f"{name:7s} off {tok_off / s_off:6.1f} tok/s  on {tok_on / s_on:6.1f} tok/s  "
+              f"speedup {speedup:.2f}x  bound {bound:.2f}x  (t_step {t_step * 1e3:.2f} ms, "
+              f"t_draft {t_draft * 1e3:.2f} ms x {steps}, t_verify {t_verify * 1e3:.2f} ms, "
+              f"acceptance {st.acceptance_length:.2f})")
+
+    print("== throughput (output tok/s), chain5")
+    print(f"{'conc':>5s} {'off':>8s} {'on':>8s} {'auto':>8s}")
+    for conc in args.concurrency:
+        row = {}
+        work = [prompts[i % len(prompts)] for i in range(max(conc, 4))]
+        for mode in ("off", "on", "auto"):
+            core = EngineCore(EngineConfig(spec_mode=mode, max_num_seqs=max(conc, 1),
+                                           **SHAPES["chain5"]))
+            n, secs = run(core, work, args.throughput_tokens, conc)
+            row[mode] = n / secs
+        result["throughput"][str(conc)] = row
+        print(f"{conc:5d} {row['off']:8.1f} {row['on']:8.1f} {row['auto']:8.1f}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
