@@ -135,6 +135,8 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         items = list(batch.scheduled)
         spec = [s for s in items if s.seq.spec_token_ids]
+        if not spec:
+            return self._execute_plain(items, batch)
         plain = [s for s in items if not s.seq.spec_token_ids]
         needs_tree_mask = any(self._is_tree(s) for s in spec)
         if needs_tree_mask and any(s.num_new_tokens > 64 for s in plain):
@@ -155,6 +157,21 @@ class SpeculativeWorker:
             self._verify(spec, hidden_of, aux_of, sampled, logprobs)
             self.figures.verify_s += time.perf_counter() - t0
         return ModelOutput(sampled=sampled, logprobs=logprobs)
+
+    def _execute_plain(self, items: list[ScheduledSequence], batch: ScheduledBatch
+                       ) -> ModelOutput:
+        """No drafts in the batch: the runner's own step; only the aux rows are kept (the
+        whole cost of speculation while it is off)."""
+        starts = [s.start for s in items]  # before the runner: start reads the live count
+        output = self.runner.execute(batch)
+        aux = self.runner.last_aux_hidden
+        if aux is None:
+            raise ValueError("the target returned no aux hidden states")
+        row = 0
+        for s, start in zip(items, starts, strict=True):
+            self._keep_aux(s.seq, start, aux[row: row + s.num_new_tokens])
+            row += s.num_new_tokens
+        return output
 
     def _is_tree(self, s: ScheduledSequence) -> bool:
         state = self.states.get(s.seq.request_id)
