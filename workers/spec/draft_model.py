@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
+from specd.workers.layers import RMSNorm
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 WEIGHTS_FILE = "model.safetensors"
@@ -150,18 +151,6 @@ def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} out of range for a target "
                          f"of {num_target_layers} layers (valid: 0..{num_target_layers})")
     return tuple(ids)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
