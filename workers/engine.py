@@ -326,11 +326,17 @@ class Engine:
         prompt_ids: dict[str, list[int]] = {}
         tokens: dict[str, list[int]] = {}
         reasons: dict[str, str] = {}
-        for prompt, p in zip(prompts, params, strict=True):
-            request_id, ids = self._add(prompt, p)
-            order.append(request_id)
-            prompt_ids[request_id] = ids
-            tokens[request_id] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id, ids = self._add(prompt, p)
+                order.append(request_id)
+                prompt_ids[request_id] = ids
+                tokens[request_id] = []
+        except (ValueError, TypeError):
+            # All or nothing: a bad prompt must not leave the good ones queued.
+            for request_id in order:
+                self.core.abort_request(request_id)
+            raise
         while self.core.has_unfinished():
             for delta in self.core.step():
                 tokens[delta.request_id].extend(delta.new_token_ids)
