@@ -135,8 +135,10 @@ def recommend(rows: list[dict[str, Any]], engine_config: dict[str, Any]) -> dict
     first = rows[0]
     rate = chain_acceptance_rate(first["on"]["tokens_per_step"], current_steps)
     plain_ms = first["off"]["step_ms"]
+    # one draft step's cost: the step's drafting time (measured, else the spec step's
+    # excess over a plain step) spread over its `current_steps` draft steps
     draft_ms = first["on"].get("draft_ms",
-                               max(first["on"]["step_ms"] - plain_ms, 0.0) / current_steps)
+                               max(first["on"]["step_ms"] - plain_ms, 0.0)) / current_steps
     depth = best_chain_depth(rate, plain_ms, max(draft_ms, 1e-6))
     on_cpu = str(engine_config.get("device", "cpu")) == "cpu"
     flags: dict[str, str]
