@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--throughput-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="batch-1 runs; the best counts")
     p.add_argument("--out", default="bench_out/bench_spec.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -95,12 +96,19 @@ def main(argv: list[str] | None = None) -> None:
               + " ".join(f"{r:.2f}" for r in per_pos))
 
     print("== batch 1: on vs off")
-    t_step = plain_step_time(prompts[0], args.max_tokens)
+    t_step = min(plain_step_time(prompts[0], args.max_tokens) for _ in range(args.repeats))
     for name in ("chain3", "chain5", "tree"):
-        off = EngineCore(EngineConfig(spec_mode="off"))
-        on = EngineCore(EngineConfig(spec_mode="on", **SHAPES[name]))
-        tok_off, s_off = run(off, prompts[:4], args.max_tokens, 1)
-        tok_on, s_on = run(on, prompts[:4], args.max_tokens, 1)
+        # Best of --repeats alternating runs: the machine is shared, noise only slows.
+        tok_off, s_off, tok_on, s_on = 0, float("inf"), 0, float("inf")
+        for _ in range(args.repeats):
+            off = EngineCore(EngineConfig(spec_mode="off"))
+            n, secs = run(off, prompts[:4], args.max_tokens, 1)
+            if secs < s_off:
+                tok_off, s_off = n, secs
+            on_run = EngineCore(EngineConfig(spec_mode="on", **SHAPES[name]))
+            n, secs = run(on_run, prompts[:4], args.max_tokens, 1)
+            if secs < s_on:
+                tok_on, s_on, on = n, secs, on_run
         st = on.stats()
         steps = on.spec.num_steps if on.spec is not None else 1
         t_draft = (st.draft_s + st.catch_up_s) / (st.num_verify_passes * steps)
