@@ -136,6 +136,8 @@ class EngineCore:
             output = self.runner.execute(batch)
             updated = self.scheduler.update(batch, output)
         else:
+            for request_id in batch.preempted_ids:
+                self.spec.drop_pending(request_id)
             output = self.spec.execute(batch)
             updated = self.scheduler.update(batch, output)
             # Drafts for the next step: after update, which consumes the previous drafts

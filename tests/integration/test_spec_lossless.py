@@ -178,3 +178,27 @@ def test_sampled_tokens_follow_the_target_distribution(options: dict[str, Any]) 
     assert all(len(out) == NUM_TOKENS for _, out in outputs.values())
     chi2, expected, observed = _rank_statistic(core, outputs, params)
     assert chi2 < CRITICAL_CHI2_DF2, (chi2, expected, observed)
+
+
+def test_preemption_under_speculation_stays_lossless() -> None:
+    """A cache of 12 blocks for 5 growing requests forces preemptions (with drafts
+    reserved); outputs still match the plain engine's, chain and tree."""
+
+    def go(**options: Any) -> tuple[dict[str, list[int]], int]:
+        core = _core(num_kv_blocks=12, **options)
+        out: dict[str, list[int]] = {}
+        for i in range(5):
+            core.add_request(f"r{i}", PROMPTS[i][:20 + 5 * i],
+                             SamplingParams(max_tokens=40, ignore_eos=True))
+            out[f"r{i}"] = []
+        while core.has_unfinished():
+            for d in core.step():
+                out[d.request_id] += d.new_token_ids
+        return out, core.scheduler.stats().num_preemptions
+
+    plain, _ = go(speculative_algorithm=None)
+    for options in ({"spec_mode": "on"},
+                    {"spec_mode": "on", "spec_topk": 3, "spec_num_draft_tokens": 8}):
+        out, preemptions = go(**options)
+        assert preemptions > 0
+        assert out == plain

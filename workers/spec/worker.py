@@ -436,6 +436,14 @@ class SpeculativeWorker:
         state = self.states.get(request_id)
         return (0, 0) if state is None else (state.num_drafted, state.num_accepted)
 
+    def drop_pending(self, request_id: str) -> None:
+        """A preempted request: its KV is gone, so are its pending rows and tree (its
+        figures and its sampling generator stay)."""
+        state = self.states.get(request_id)
+        if state is not None:
+            state.num_draft_computed, state.pending = 0, []
+            state.tree_parents, state.tree_depths, state.tree_masks = [], [], []
+
     def release(self, request_id: str) -> None:
         """Forget a finished, aborted or preempted request's pending rows and tree."""
         self.states.pop(request_id, None)
