@@ -299,11 +299,13 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig) -> SweepRun:
                             * len(runnable))
         points = []
         try:
-            for mode in runnable:
-                if speculative:
-                    await client.set_spec(mode)
-                await client.timed_request(prompts[0], SamplingParams(max_tokens=4))  # warm-up
-                for concurrency in config.concurrencies:
+            # modes interleaved at each concurrency: the figures compared with each other
+            # are taken minutes apart at most, not a whole sweep apart
+            for concurrency in config.concurrencies:
+                for mode in runnable:
+                    if speculative:
+                        await client.set_spec(mode)
+                    await client.timed_request(prompts[0], SamplingParams(max_tokens=4))  # warm
                     progress.begin(f"{mode} c={concurrency}")
                     points.append(await run_point(client, prompts, config, mode, concurrency,
                                                   progress))
