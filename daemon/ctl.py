@@ -19,27 +19,24 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import msgspec
 
+from specd.daemon.ctl_errors import (
+    EXIT_DOCTOR_PROBLEM,
+    EXIT_TIMEOUT,
+    run_client_call,
+)
 from specd.ipc.client import (
     Client,
-    ClientTimeout,
     DaemonUnavailable,
     GenerateResult,
     SpecdError,
     StreamDelta,
 )
 from specd.ipc.sampling import SamplingParams
-
-EXIT_DAEMON_ERROR = 1
-EXIT_UNREACHABLE = 3
-EXIT_TIMEOUT = 4
-EXIT_DOCTOR_PROBLEM = 5
-
-T = TypeVar("T")
 
 
 class Settings:
@@ -65,19 +62,6 @@ def _emit_json(value: Any) -> None:
     click.echo(json.dumps(msgspec.to_builtins(value, enc_hook=str)))
 
 
-def _run(action: Callable[[], T]) -> T:
-    """Run a client call; map its failures to an exit code and a one-line message."""
-    try:
-        return action()
-    except DaemonUnavailable as exc:
-        click.echo(f"specctl: daemon unreachable: {exc}", err=True)
-        sys.exit(EXIT_UNREACHABLE)
-    except ClientTimeout as exc:
-        click.echo(f"specctl: timeout: {exc}", err=True)
-        sys.exit(EXIT_TIMEOUT)
-    except SpecdError as exc:
-        click.echo(f"specctl: {exc.code}: {exc.message}", err=True)
-        sys.exit(EXIT_DAEMON_ERROR)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -147,7 +131,8 @@ def generate(ctx: click.Context, prompt: str, chat: bool, system: str | None, ma
         deltas, result_of = _local_stream(model, text, messages, sampling)
         result = _print_stream(deltas, result_of, settings.as_json)
     else:
-        result = _run(lambda: _daemon_generate(settings, text, messages, sampling, deadline))
+        result = run_client_call(
+            lambda: _daemon_generate(settings, text, messages, sampling, deadline))
     elapsed = time.monotonic() - started
     if settings.as_json:
         _emit_json({"type": "result", **msgspec.to_builtins(result), "elapsed_s": elapsed})
@@ -207,7 +192,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         with settings.client() as client:
             return client.status()
 
-    reply = _run(query)
+    reply = run_client_call(query)
     if settings.as_json:
         _emit_json(reply)
         return
@@ -247,7 +232,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         with settings.client() as client:
             return client.stats()
 
-    figures = _run(query)
+    figures = run_client_call(query)
     if settings.as_json:
         _emit_json(figures)
         return
@@ -275,7 +260,7 @@ def spec(ctx: click.Context, mode: str, threshold: int | None, as_json: bool) ->
         with settings.client() as client:
             return client.set_spec(wire_mode, threshold)
 
-    _report_ack(settings, _run(call))
+    _report_ack(settings, run_client_call(call))
 
 
 @cli.command()
@@ -292,7 +277,7 @@ def drain(ctx: click.Context, drain_timeout: float | None, wait: bool, as_json: 
         with settings.client() as client:
             return client.drain(drain_timeout)
 
-    message = _run(call)
+    message = run_client_call(call)
     if wait:
         _wait_for_exit(settings)
     _report_ack(settings, message)
@@ -310,7 +295,7 @@ def stop(ctx: click.Context, wait: bool, as_json: bool) -> None:
         with settings.client() as client:
             return client.stop()
 
-    message = _run(call)
+    message = run_client_call(call)
     if wait:
         _wait_for_exit(settings)
     _report_ack(settings, message)

@@ -15,19 +15,14 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from specd.ipc.client import ClientTimeout, DaemonUnavailable, SpecdError
-
-EXIT_DAEMON_ERROR = 1
-EXIT_UNREACHABLE = 3
-EXIT_TIMEOUT = 4
-
-T = TypeVar("T")
+from specd.daemon.ctl_errors import (
+    run_client_call,
+)
 
 
 def _socket(ctx: click.Context) -> Path | None:
@@ -38,19 +33,6 @@ def _timeout(ctx: click.Context) -> float:
     return float(getattr(ctx.obj, "timeout", 60.0))
 
 
-def _run(action: Callable[[], T]) -> T:
-    """Map client failures to specctl's exit codes with a one-line message."""
-    try:
-        return action()
-    except DaemonUnavailable as exc:
-        click.echo(f"specctl: daemon unreachable: {exc}", err=True)
-        sys.exit(EXIT_UNREACHABLE)
-    except ClientTimeout as exc:
-        click.echo(f"specctl: timeout: {exc}", err=True)
-        sys.exit(EXIT_TIMEOUT)
-    except SpecdError as exc:
-        click.echo(f"specctl: {exc.code}: {exc.message}", err=True)
-        sys.exit(EXIT_DAEMON_ERROR)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -121,7 +103,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     machine_before = machine_info()
-    sweep = _run(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
+    sweep = run_client_call(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
     points = [bench_report.summarize(p) for p in sweep.points]
     baseline_result = None
     if baseline:
@@ -166,7 +148,7 @@ def top(ctx: click.Context, interval: float, frames: int | None) -> None:
 
     if not interval > 0:
         raise click.UsageError(f"--interval must be > 0, got {interval}")
-    _run(lambda: run_top(_socket(ctx), _timeout(ctx), interval, frames))
+    run_client_call(lambda: run_top(_socket(ctx), _timeout(ctx), interval, frames))
 
 
 # ---- tune-spec ---------------------------------------------------------------------------
@@ -189,7 +171,7 @@ def tune_spec(ctx: click.Context, batch_text: str, max_tokens: int, write_env: P
     batch_sizes = _int_list(batch_text)
     if max_tokens < 2:
         raise click.UsageError(f"--max-tokens must be >= 2, got {max_tokens}")
-    tuning = _run(lambda: asyncio.run(measure(_socket(ctx), batch_sizes, max_tokens,
+    tuning = run_client_call(lambda: asyncio.run(measure(_socket(ctx), batch_sizes, max_tokens,
                                               max(_timeout(ctx), 600.0))))
     if as_json or getattr(ctx.obj, "as_json", False):
         click.echo(json.dumps(tuning))
