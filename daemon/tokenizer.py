@@ -134,6 +134,5 @@ def _eos_ids(root: Path, backend: HFTokenizer, eos_token: str | None) -> tuple[i
             return (value,)
         if isinstance(value, list) and value:
             return tuple(int(v) for v in value)
-    if eos_token is not None and backend.token_to_id(eos_token) is not None:
-        return (int(backend.token_to_id(eos_token)),)
-    return ()
+    eos_id = backend.token_to_id(eos_token) if eos_token is not None else None
+    return (eos_id,) if eos_id is not None else ()

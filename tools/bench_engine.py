@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ import specd  # noqa: E402
 from specd.workers.config import FIXTURE_DIR  # noqa: E402
 
 
-def bench_specd(engine: specd.Engine, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def bench_specd(engine: specd.Engine, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     """All prompts submitted at once; output tokens per second of wall time."""
     params = specd.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -37,7 +38,7 @@ def bench_specd(engine: specd.Engine, prompts: list[str], max_tokens: int) -> di
             "tokens_per_s": tokens / wall}
 
 
-def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     """transformers' generate() at batch 1, one prompt after another, greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = specd.Engine(args.model, spec_mode="off")
     engine.core.warmup()
     batch1_prompts = load_prompts(args.batch1_prompts)
-    rows = []
+    rows: list[dict[str, Any]] = []
     single = [bench_specd(engine, [pr], args.max_tokens) for pr in batch1_prompts]
     b1_tokens = sum(r["output_tokens"] for r in single)
     b1_wall = sum(r["wall_s"] for r in single)

@@ -117,7 +117,7 @@ def model_config(args: argparse.Namespace, eos_id: int):
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.max_position,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # accepted via **kwargs (legacy name)
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=eos_id,
@@ -220,7 +220,8 @@ def train(args: argparse.Namespace) -> None:
             print(f"step {step + 1}/{total_steps} loss {float(loss):.3f}{extra} "
                   f"lr {lr:.2e} {rate:,.0f} tok/s", flush=True)
     log.close()
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' stub types .to badly
+    model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False,
     ).save_pretrained(out)
