@@ -19,10 +19,12 @@ indices and masks are built once per step in `build_attention_metadata`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from specd.workers.decode_stage import DecodeStage, StagePlan
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per draft row
 
@@ -42,6 +44,7 @@ class QueryGroup:
     num_seqs: int
     num_query_rows: int
     is_all_rows: bool  # the group covers every row in order (no gather/scatter needed)
+    stage_plan: StagePlan | None = None  # decode group with a kept K/V copy (decode_stage)
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,14 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     tree_mask: torch.Tensor | None = None,
+    stage: DecodeStage | None = None,
 ) -> AttentionMetadata:
     """Metadata for sequences laid out one after another.
 
     query_lens[b]: rows of sequence b this step (T); seq_lens[b]: its KV length after this
     step (S >= T); block_tables[b]: its block ids, covering at least S tokens; tree_mask:
-    int64 [sum(query_lens)] on `device`, or None for causal rows.
+    int64 [sum(query_lens)] on `device`, or None for causal rows; stage: the runner's kept
+    decode K/V (CPU plain steps only), used for the group of query length 1.
     """
     _check_lengths(query_lens, seq_lens, block_tables, block_size, tree_mask)
     num_seqs = len(query_lens)
@@ -94,7 +99,8 @@ def build_attention_metadata(
     slot_mapping = tables[seq_of_row, kv_pos // block_size] * block_size + kv_pos % block_size
     groups: tuple[QueryGroup, ...] = ()
     if device.type == "cpu":
-        groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask)
+        groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask,
+                               slot_mapping, block_tables if stage is not None else None, stage)
     return AttentionMetadata(
         query_start_loc=start_loc.to(device=device, dtype=torch.int32),
         seq_lens=s_lens.to(device=device, dtype=torch.int32),
@@ -151,9 +157,13 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
     g, t = group.num_seqs, group.num_query_rows
     num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
     # [2, G * max_blocks, block_size, kv_heads, head_dim] -> K, V [G, kv_heads, S_pad, head_dim]
-    kv = kv_cache_layer.index_select(1, group.key_blocks)
-    k_g = kv[0].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v_g = kv[1].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if group.stage_plan is not None:
+        k_g, v_g = group.stage_plan.stage.keys_values(kv_cache_layer, group.key_blocks,
+                                                      group.stage_plan)
+    else:
+        kv = kv_cache_layer.index_select(1, group.key_blocks)
+        k_g = kv[0].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v_g = kv[1].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
     if t == 1:
         # Decode: the heads sharing a KV head become that KV head's query rows (head h uses
         # KV head h // group, as transformers' repeat_kv), so K/V are never repeated and the
@@ -168,14 +178,26 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
 
 
 def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
-                  start_loc: torch.Tensor, block_size: int, tree_mask: torch.Tensor | None
-                  ) -> tuple[QueryGroup, ...]:
+                  start_loc: torch.Tensor, block_size: int, tree_mask: torch.Tensor | None,
+                  slot_mapping: torch.Tensor, block_tables: list[list[int]] | None,
+                  stage: DecodeStage | None) -> tuple[QueryGroup, ...]:
     members: dict[int, list[int]] = {}
     for b, t in enumerate(query_lens):
         members.setdefault(t, []).append(b)
     num_rows = int(start_loc[-1])
-    return tuple(_build_group(seqs, t, seq_lens, tables, start_loc, block_size, tree_mask,
-                              num_rows) for t, seqs in members.items())
+    groups = []
+    for t, seqs in members.items():
+        group = _build_group(seqs, t, seq_lens, tables, start_loc, block_size, tree_mask,
+                             num_rows)
+        if stage is not None and block_tables is not None and t == 1 and tree_mask is None:
+            width = int(group.mask.shape[-1])
+            plan = stage.plan([block_tables[b] for b in seqs], [seq_lens[b] for b in seqs],
+                              width, slot_mapping[group.rows])
+            group = replace(group, stage_plan=plan)
+        groups.append(group)
+    if stage is not None and 1 not in members:
+        stage.invalidate()
+    return tuple(groups)
 
 
 def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Tensor,

@@ -16,6 +16,7 @@ from specd.workers import sampler
 from specd.workers.attention import AttentionMetadata, build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig
+from specd.workers.decode_stage import DecodeStage
 from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.loader import load_model
@@ -41,11 +42,13 @@ class StepInputs:
     sample_seqs: list[Seq]
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
+def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
+                   stage: DecodeStage | None = None) -> StepInputs:
     """Build token ids, rope positions and attention metadata for `batch`.
 
     Sequence b computes tokens [start, end) of `prompt + output + spec_token_ids` (drafts as a
-    chain: position = index); its KV goes to the slots of `seq.block_ids`.
+    chain: position = index); its KV goes to the slots of `seq.block_ids`. `stage`: the
+    runner's kept decode K/V (CPU), planned here for this step's decode group.
     """
     token_ids: list[int] = []
     positions: list[int] = []
@@ -63,6 +66,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         block_tables=[s.seq.block_ids for s in batch.scheduled],
         block_size=block_size,
         device=device,
+        stage=stage,
     )
     return StepInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
@@ -102,6 +106,8 @@ class ModelRunner:
         # config.seed; a request with its own seed gets its own generator on first use.
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        # Plain decode on the CPU keeps its group's K/V between steps (decode_stage.py).
+        self.decode_stage = DecodeStage(config.block_size) if self.device.type == "cpu" else None
         self.last_inputs: StepInputs | None = None
         self.last_hidden: torch.Tensor | None = None
         self.last_aux_hidden: torch.Tensor | None = None
@@ -115,7 +121,7 @@ class ModelRunner:
         if drafted:
             raise ValueError(f"execute runs plain steps; requests {drafted} carry draft tokens "
                              f"(verification belongs to the speculative worker)")
-        inputs = prepare_inputs(batch, self.config.block_size, self.device)
+        inputs = prepare_inputs(batch, self.config.block_size, self.device, self.decode_stage)
         hidden = self.forward(inputs)
         seqs = inputs.sample_seqs
         if not seqs:
@@ -130,10 +136,22 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's tokens: hidden [N, hidden] after the final norm. Writes
         this step's KV into the cache and records `last_*` (see the class docstring)."""
-        hidden, aux = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                 inputs.meta, self.capture_layers)
+        staged = any(g.stage_plan is not None for g in inputs.meta.groups)
+        if not staged:
+            self.invalidate_decode_stage()  # this forward writes K/V the copy would miss
+        try:
+            hidden, aux = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                     inputs.meta, self.capture_layers)
+        except BaseException:
+            self.invalidate_decode_stage()  # some layers may have appended, others not
+            raise
         self.last_inputs, self.last_hidden, self.last_aux_hidden = inputs, hidden, aux
         return hidden
+
+    def invalidate_decode_stage(self) -> None:
+        """Drop the kept decode K/V: call after writing the KV cache outside `forward`."""
+        if self.decode_stage is not None:
+            self.decode_stage.invalidate()
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's generator (unknown ids are fine)."""

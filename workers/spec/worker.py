@@ -286,6 +286,7 @@ class SpeculativeWorker:
         slot(root + depth)."""
         if not moves:
             return
+        self.runner.invalidate_decode_stage()
         src = torch.tensor([self._slot(seq, root + n) for n, _ in moves], device=self.device)
         dst = torch.tensor([self._slot(seq, root + d) for _, d in moves], device=self.device)
         for layer in self.runner.kv_caches:

@@ -1,0 +1,99 @@
+"""The kept decode K/V (decode_stage.py): attention over it equals attention over a fresh
+gather at every step, and it is rebuilt whenever the group or the cache changed under it."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.workers.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.decode_stage import DecodeStage
+
+BLOCK_SIZE = 4
+NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 4, 8
+CPU = torch.device("cpu")
+
+
+class Cache:
+    """A paged cache with sequences whose blocks are handed out in scrambled order."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kv = torch.zeros(2, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.free = torch.randperm(64, generator=self.gen).tolist()
+
+    def table_for(self, table: list[int], length: int) -> list[int]:
+        while len(table) * BLOCK_SIZE < length:
+            table.append(self.free.pop())
+        return table
+
+    def write(self, tables: list[list[int]], positions: list[list[int]]) -> None:
+        """Random K/V for the given positions of each sequence (as `store_kv` would)."""
+        slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                 for t, ps in zip(tables, positions, strict=True) for p in ps]
+        k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=self.gen)
+        v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=self.gen)
+        store_kv(k, v, self.kv, torch.tensor(slots))
+
+
+def decode_both(cache: Cache, stage: DecodeStage, tables: list[list[int]], lens: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step (new token at position len - 1 written first): staged and fresh."""
+    cache.write(tables, [[n - 1] for n in lens])
+    q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, generator=cache.gen)
+    args = ([1] * len(lens), lens, tables, BLOCK_SIZE, CPU)
+    staged = paged_attention(q, cache.kv, build_attention_metadata(*args, stage=stage), 0.3)
+    fresh = paged_attention(q, cache.kv, build_attention_metadata(*args), 0.3)
+    return staged, fresh
+
+
+def test_appending_steps_match_a_fresh_gather_and_do_not_regather() -> None:
+    cache, stage = Cache(0), DecodeStage(BLOCK_SIZE)
+    lens = [3, 9, 4]
+    tables = [cache.table_for([], n) for n in lens]
+    cache.write(tables, [list(range(n - 1)) for n in lens])  # the prompts
+    for step in range(80):  # past HEADROOM_TOKENS, so the copy also grows once
+        tables = [cache.table_for(t, n) for t, n in zip(tables, lens, strict=True)]
+        staged, fresh = decode_both(cache, stage, tables, lens)
+        torch.testing.assert_close(staged, fresh, atol=1e-6, rtol=1e-6, msg=f"step {step}")
+        lens = [n + 1 for n in lens]
+    assert stage.num_appends >= 78
+    assert stage.num_refreshes == 2  # the first step and the one that outgrew the headroom
+
+
+def test_a_changed_group_or_an_invalidation_rebuilds_the_copy() -> None:
+    cache, stage = Cache(1), DecodeStage(BLOCK_SIZE)
+    lens = [5, 6]
+    tables = [cache.table_for([], n) for n in lens]
+    cache.write(tables, [list(range(n - 1)) for n in lens])
+    decode_both(cache, stage, tables, lens)
+    # A sequence leaves: the group differs, so the copy is rebuilt, not appended to.
+    tables, lens = tables[1:], [7]
+    staged, fresh = decode_both(cache, stage, [cache.table_for(tables[0], 7)], lens)
+    torch.testing.assert_close(staged, fresh)
+    assert stage.num_refreshes == 2
+    # Something rewrote the cache (KV compaction, a verify pass): the runner invalidates.
+    cache.write(tables, [[2, 3]])
+    stage.invalidate()
+    staged, fresh = decode_both(cache, stage, tables, [8])
+    torch.testing.assert_close(staged, fresh)
+    assert stage.num_refreshes == 3
+
+
+def test_a_length_that_does_not_continue_the_last_step_rebuilds_the_copy() -> None:
+    cache, stage = Cache(2), DecodeStage(BLOCK_SIZE)
+    tables = [cache.table_for([], 12)]
+    cache.write(tables, [list(range(11))])
+    decode_both(cache, stage, tables, [6])
+    # Two tokens later (a verify step accepted one draft, say): not a continuation.
+    staged, fresh = decode_both(cache, stage, tables, [8])
+    torch.testing.assert_close(staged, fresh)
+    assert (stage.num_refreshes, stage.num_appends) == (2, 0)
+
+
+def test_plain_engine_steps_use_the_stage() -> None:
+    import specd
+
+    engine = specd.Engine(None, dtype="float32", spec_mode="off")
+    engine.generate(["def f(x):\n", "import os\n"], specd.SamplingParams(max_tokens=12))
+    stage = engine.core.runner.decode_stage
+    assert stage is not None and stage.num_appends > 0
