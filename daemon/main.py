@@ -54,7 +54,10 @@ ENGINE_HELP = {
     "spec_topk": "draft branching factor (1 = a chain).",
     "spec_num_draft_tokens": "draft tokens verified per step (tree size).",
     "spec_mode": f"speculation at start: one of {SPEC_MODES}.",
-    "spec_disable_batch_threshold": "in auto mode, speculation stops above this batch size.",
+    "spec_disable_batch_threshold": "in auto mode, speculation stops above this batch size "
+                                    "until both modes are measured there.",
+    "spec_auto_measure": "in auto mode, measure both modes' throughput per batch size and "
+                         "use the faster (re-measured every 256 steps).",
     "extra": "KEY=VALUE engine option for experiments (repeatable).",
 }
 DAEMON_HELP = {

@@ -48,6 +48,9 @@ class EngineConfig:
     # On the 2-core CPU the fixture's speculation stopped paying between batch 8 and 16
     # (`specctl tune-spec`, docs/benchmarks.md); a GPU wants a larger value: tune it there.
     spec_disable_batch_threshold: int = 8
+    # In auto, measure both modes' throughput per batch-size bucket and use the faster
+    # (the threshold decides only until both are measured): spec/controller.py.
+    spec_auto_measure: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

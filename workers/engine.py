@@ -8,6 +8,7 @@ controller) are objects behind `execute`, not branches in the loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -129,6 +130,7 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
         got tokens or finished."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -138,15 +140,27 @@ class EngineCore:
         else:
             for request_id in batch.preempted_ids:
                 self.spec.drop_pending(request_id)
+            # Read before execute/update, which consume the drafts.
+            speculated = any(s.seq.spec_token_ids for s in batch.scheduled)
+            steady = all(s.num_new_tokens == 1 + len(s.seq.spec_token_ids)
+                         and s.seq.num_computed_tokens == s.seq.num_tokens - 1
+                         for s in batch.scheduled)
             output = self.spec.execute(batch)
             updated = self.scheduler.update(batch, output)
             # Drafts for the next step: after update, which consumes the previous drafts
             # and appends the tokens the drafts continue from.
+            controller = self.spec.controller
+            was_enabled = controller.enabled
             event = self.spec.update_controller(self.scheduler.num_running)
             if event is not None:
                 log.info("speculation %s", "on" if event.enabled else "off",
                          extra=event.as_dict())
             self.spec.propose(updated)
+            # A steady decode step in the mode the controller kept is a fair sample of that
+            # mode (prefill chunks and the step that switched belong to neither).
+            if steady and event is None and speculated == was_enabled:
+                controller.record(len(batch.scheduled), speculated, time.perf_counter() - t0,
+                                  sum(len(t) for t in output.sampled.values()))
         self._num_steps += 1
         return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
 
@@ -241,7 +255,8 @@ def _build_speculative(config: EngineConfig, model_config: ModelConfig
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
                            device=runner.device)
-    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold)
+    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
+                                measure=config.spec_auto_measure)
     return SpeculativeWorker(config, runner, head, controller)
 
 

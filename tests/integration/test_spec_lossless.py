@@ -72,7 +72,7 @@ def plain() -> dict[str, list[int]]:
     {"spec_mode": "on", "spec_topk": 1, "spec_num_steps": 5},
     {"spec_mode": "on", "spec_topk": 3, "spec_num_steps": 4, "spec_num_draft_tokens": 8},
     {"spec_mode": "off"},
-    {"spec_mode": "auto", "spec_disable_batch_threshold": 2},
+    {"spec_mode": "auto", "spec_disable_batch_threshold": 2, "spec_auto_measure": False},
 ], ids=["chain3", "chain5", "tree", "off", "auto"])
 def test_greedy_output_is_the_plain_engines(plain: dict[str, list[int]],
                                             options: dict[str, Any]) -> None:
@@ -86,6 +86,18 @@ def test_greedy_output_is_the_plain_engines(plain: dict[str, list[int]],
     if options["spec_mode"] == "auto":
         # 4 requests run at once at the peak: off above 2, on again at or below 1.
         assert stats.spec_transitions >= 2
+
+
+def test_measured_auto_exploring_both_modes_stays_lossless() -> None:
+    long = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = _run(_core(speculative_algorithm=None), sampling=long)
+    core = _core(spec_mode="auto", spec_disable_batch_threshold=2)
+    assert core.spec is not None
+    core.spec.controller.explore_every = 3  # flip often: every switch is a chance to lose
+    assert _run(core, sampling=long) == expected
+    controller = core.spec.controller
+    assert controller.num_transitions >= 3
+    assert any(b.on.samples and b.off.samples for b in controller.buckets.values())
 
 
 def test_mode_flipped_between_steps_stays_lossless(plain: dict[str, list[int]]) -> None:

@@ -76,7 +76,8 @@ def test_event_record_carries_cause_and_figures():
     event = ctrl.update(3)
     assert event is not None
     assert event.as_dict() == {"event": "spec_off", "step": 2, "cause": "batch_above_threshold",
-                               "mode": "auto", "batch_size": 3, "threshold": 2, "resume_at": 1}
+                               "mode": "auto", "batch_size": 3, "threshold": 2, "resume_at": 1,
+                               "on_tok_s": 0.0, "off_tok_s": 0.0}
 
 
 @pytest.mark.parametrize("mode, threshold, resume_at", [
@@ -89,3 +90,74 @@ def test_invalid_settings_raise(mode, threshold, resume_at):
 def test_negative_batch_size_raises():
     with pytest.raises(ValueError, match="batch_size"):
         SpecController("auto", threshold=4).update(-1)
+
+
+def drive(ctrl: SpecController, batch_size: int, steps: int, on_tok_s: float,
+          off_tok_s: float) -> list[SpecEvent]:
+    """Run `steps` engine steps at a fixed batch size on a machine where each mode yields
+    the given throughput; record steps as the engine does (not the step that switched)."""
+    events = []
+    for _ in range(steps):
+        speculated = ctrl.enabled
+        event = ctrl.update(batch_size)
+        if event is None:
+            ctrl.record(batch_size, speculated, 0.01, round(
+                (on_tok_s if speculated else off_tok_s) * 0.01))
+        else:
+            events.append(event)
+    return events
+
+
+def test_measured_auto_picks_the_faster_mode_even_against_the_threshold():
+    # Threshold 8 says "off" at batch 32, but speculation measures faster there.
+    ctrl = SpecController("auto", threshold=8, measure=True)
+    events = drive(ctrl, 32, 40, on_tok_s=900, off_tok_s=600)
+    assert ctrl.enabled
+    assert [e.cause for e in events][:2] == ["batch_above_threshold", "explore"]
+    on, off = ctrl.figures(32)
+    assert (round(on), round(off)) == (900, 600)
+    # ... and speculation below the threshold turns off where plain decode is faster.
+    ctrl2 = SpecController("auto", threshold=8, measure=True)
+    drive(ctrl2, 4, 40, on_tok_s=300, off_tok_s=500)
+    assert not ctrl2.enabled
+
+
+def test_measured_auto_keeps_its_mode_within_the_margin():
+    ctrl = SpecController("auto", threshold=8, measure=True, margin=0.05)
+    events = drive(ctrl, 4, 200, on_tok_s=500, off_tok_s=510)  # 2% apart: stay on
+    assert ctrl.enabled
+    assert not any(e.cause == "measured_faster" for e in events)
+
+
+def test_measured_auto_re_measures_the_other_mode_and_follows_a_change():
+    ctrl = SpecController("auto", threshold=8, measure=True, explore_every=50,
+                          explore_steps=4)
+    drive(ctrl, 4, 100, on_tok_s=800, off_tok_s=400)
+    assert ctrl.enabled
+    # The workload changes: speculation stops paying. The next exploration finds it.
+    events = drive(ctrl, 4, 200, on_tok_s=300, off_tok_s=400)
+    assert not ctrl.enabled
+    causes = [e.cause for e in events]
+    assert "explore" in causes
+    # Exploration is bounded: a few percent of the steps in the other mode.
+    explored = drive(ctrl, 4, 1000, on_tok_s=300, off_tok_s=400)
+    assert 0 < sum(e.cause == "explore" for e in explored) <= 1000 // 50 + 1
+    assert ctrl.num_steps_on <= 100 + 200 + 1000 * 6 // 50
+
+
+def test_buckets_are_measured_apart():
+    ctrl = SpecController("auto", threshold=8, measure=True)
+    drive(ctrl, 2, 40, on_tok_s=400, off_tok_s=100)
+    drive(ctrl, 48, 40, on_tok_s=400, off_tok_s=900)
+    assert ctrl.figures(3)[0] == pytest.approx(400)  # 2 and 3 share a bucket
+    assert not ctrl.enabled
+    drive(ctrl, 2, 10, on_tok_s=400, off_tok_s=100)
+    assert ctrl.enabled
+
+
+def test_record_rejects_nonsense():
+    ctrl = SpecController("auto", threshold=8, measure=True)
+    with pytest.raises(ValueError):
+        ctrl.record(0, True, 0.01, 3)
+    with pytest.raises(ValueError):
+        ctrl.record(4, True, 0.0, 3)

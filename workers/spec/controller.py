@@ -5,21 +5,35 @@ size with hysteresis: speculation turns off when the batch grows above `threshol
 on again only when it has shrunk to `resume_at` or below (default: three quarters of the
 threshold), so a batch hovering around the threshold does not flap.
 
+With `measure=True` (the engine's default) "auto" also learns what each mode yields on
+this machine and this workload: the engine reports every steady decode step (`record`: batch
+size, whether it speculated, its wall time and the tokens it emitted) and the controller
+keeps, per batch-size bucket (powers of two), an average of output tokens per second for
+each mode. Once both modes have been measured in a bucket, the faster one is used there
+(switching only when the other is faster by `margin`, so that noise does not flap it);
+until then the threshold rule above decides. So that a stale figure cannot lock a mode in,
+the other mode is re-measured for `explore_steps` steps after every `explore_every` steps
+in one mode (a bounded cost: a few percent of the steps, at the other mode's speed).
+
 Each change of state is returned as one `SpecEvent` (the engine logs it as one structured
 record): what changed, why, and the figures behind the decision.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
+EWMA_WEIGHT = 0.25  # of the newest step in a bucket's average
+MIN_SAMPLES = 3  # steps measured in a mode before its figure is trusted
 
 
 @dataclass(frozen=True)
 class SpecEvent:
-    """One transition: enabled is the new state; cause one of
-    "batch_above_threshold", "batch_at_or_below_resume_mark", "mode_set"."""
+    """One transition: enabled is the new state; cause one of "batch_above_threshold",
+    "batch_at_or_below_resume_mark", "mode_set", "measured_faster" (the bucket's figures
+    favour the new state), "explore" (re-measuring the other mode), "explore_done".
+    on_tok_s / off_tok_s: the bucket's measured figures (0 where not measured yet)."""
 
     step: int
     enabled: bool
@@ -28,11 +42,46 @@ class SpecEvent:
     batch_size: int
     threshold: int
     resume_at: int
+    on_tok_s: float = 0.0
+    off_tok_s: float = 0.0
 
-    def as_dict(self) -> dict[str, int | bool | str]:
+    def as_dict(self) -> dict[str, int | bool | str | float]:
         return {"event": "spec_on" if self.enabled else "spec_off", "step": self.step,
                 "cause": self.cause, "mode": self.mode, "batch_size": self.batch_size,
-                "threshold": self.threshold, "resume_at": self.resume_at}
+                "threshold": self.threshold, "resume_at": self.resume_at,
+                "on_tok_s": round(self.on_tok_s, 1), "off_tok_s": round(self.off_tok_s, 1)}
+
+
+@dataclass
+class Throughput:
+    """A running average of output tokens per second in one mode and bucket."""
+
+    tok_s: float = 0.0
+    samples: int = 0
+
+    def add(self, tok_s: float) -> None:
+        self.tok_s = tok_s if self.samples == 0 else (
+            (1 - EWMA_WEIGHT) * self.tok_s + EWMA_WEIGHT * tok_s)
+        self.samples += 1
+
+    @property
+    def trusted(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+
+@dataclass
+class Bucket:
+    """Figures for batch sizes [2**(k-1), 2**k): per mode, and the steps run in one mode
+    since the other was last measured."""
+
+    on: Throughput = field(default_factory=Throughput)
+    off: Throughput = field(default_factory=Throughput)
+    steps_since_explore: int = 0
+
+
+def bucket_of(batch_size: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (k = bit length)."""
+    return batch_size.bit_length()
 
 
 def default_resume_at(threshold: int) -> int:
@@ -47,18 +96,31 @@ class SpecController:
     threshold: in auto, speculation turns off when the batch size exceeds it (>= 1).
     resume_at: in auto, it turns back on when the batch size is at most this (1..threshold;
     None = `default_resume_at(threshold)`).
+    measure: in auto, decide from measured throughput where both modes have figures (see
+    the module docstring); explore_every, explore_steps, margin tune that.
     """
 
-    def __init__(self, mode: str, threshold: int, resume_at: int | None = None) -> None:
+    def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
+                 measure: bool = False, explore_every: int = 256, explore_steps: int = 4,
+                 margin: float = 0.05) -> None:
         _check(mode, threshold, resume_at)
+        if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
+            raise ValueError(f"need explore_every >= 1, explore_steps >= 1, 0 <= margin < 1; "
+                             f"got {explore_every}, {explore_steps}, {margin}")
         self.mode = mode
         self.threshold = threshold
         self.resume_at = default_resume_at(threshold) if resume_at is None else resume_at
+        self.measure = measure
+        self.explore_every = explore_every
+        self.explore_steps = explore_steps
+        self.margin = margin
         self.enabled = mode != "off"
         self.num_steps = 0
         self.num_steps_on = 0
         self.num_transitions = 0
         self.last_batch_size = 0
+        self.buckets: dict[int, Bucket] = {}
+        self.exploring = 0  # steps left in the current exploration of the other mode
 
     def update(self, batch_size: int) -> SpecEvent | None:
         """Decide for the coming step with `batch_size` running sequences; then read
@@ -69,12 +131,69 @@ class SpecController:
         self.last_batch_size = batch_size
         event = None
         if self.mode == "auto":
-            if self.enabled and batch_size > self.threshold:
-                event = self._switch(False, "batch_above_threshold")
-            elif not self.enabled and batch_size <= self.resume_at:
-                event = self._switch(True, "batch_at_or_below_resume_mark")
+            event = self._decide_measured(batch_size) if self.measure else None
+            if event is None and not self._measured(batch_size) and not self.exploring:
+                if self.enabled and batch_size > self.threshold:
+                    event = self._switch(False, "batch_above_threshold")
+                elif not self.enabled and batch_size <= self.resume_at:
+                    event = self._switch(True, "batch_at_or_below_resume_mark")
         self.num_steps_on += int(self.enabled)
         return event
+
+    def record(self, batch_size: int, speculated: bool, step_s: float, num_tokens: int
+               ) -> None:
+        """One steady decode step's figures (the engine leaves out steps with prefill and
+        the step right after a transition, whose cost belongs to neither mode)."""
+        if batch_size < 1 or step_s <= 0 or num_tokens < 0:
+            raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
+                             f"{batch_size}, {step_s}, {num_tokens}")
+        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        (bucket.on if speculated else bucket.off).add(num_tokens / step_s)
+
+    def figures(self, batch_size: int) -> tuple[float, float]:
+        """(on, off) measured output tokens/s in batch_size's bucket (0 = not measured)."""
+        bucket = self.buckets.get(bucket_of(batch_size))
+        return (0.0, 0.0) if bucket is None else (bucket.on.tok_s, bucket.off.tok_s)
+
+    def _measured(self, batch_size: int) -> bool:
+        bucket = self.buckets.get(bucket_of(batch_size))
+        return (self.measure and bucket is not None and bucket.on.trusted
+                and bucket.off.trusted)
+
+    def _decide_measured(self, batch_size: int) -> SpecEvent | None:
+        """Exploration first (finish a running one, start a due one), then the faster mode
+        where both are measured; None leaves the decision to the threshold rule."""
+        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        if self.exploring:
+            self.exploring -= 1
+            if self.exploring:
+                return None
+            # Done: the mode explored from keeps its place unless beaten by the margin.
+            want = self._preferred(bucket, batch_size, incumbent=not self.enabled)
+            return self._switch(want, "explore_done") if want != self.enabled else None
+        current = bucket.on if self.enabled else bucket.off
+        other = bucket.off if self.enabled else bucket.on
+        bucket.steps_since_explore += 1
+        if current.trusted and (not other.trusted
+                                or bucket.steps_since_explore >= self.explore_every):
+            bucket.steps_since_explore = 0
+            self.exploring = self.explore_steps + 1  # the first step after a switch is skipped
+            return self._switch(not self.enabled, "explore")
+        if bucket.on.trusted and bucket.off.trusted:
+            want = self._preferred(bucket, batch_size, incumbent=self.enabled)
+            if want != self.enabled:
+                return self._switch(want, "measured_faster")
+        return None
+
+    def _preferred(self, bucket: Bucket, batch_size: int, incumbent: bool) -> bool:
+        """The state the bucket's figures favour, keeping `incumbent` unless the other is
+        faster by `margin`; the threshold rule's state where a mode is not measured yet."""
+        if not (bucket.on.trusted and bucket.off.trusted):
+            return (batch_size <= self.threshold if incumbent
+                    else batch_size <= self.resume_at)
+        kept = bucket.on.tok_s if incumbent else bucket.off.tok_s
+        other = bucket.off.tok_s if incumbent else bucket.on.tok_s
+        return (not incumbent) if other > kept * (1 + self.margin) else incumbent
 
     def set_mode(self, mode: str, threshold: int | None = None,
                  resume_at: int | None = None) -> SpecEvent | None:
@@ -85,7 +204,11 @@ class SpecController:
             resume_at = self.resume_at if threshold is None else default_resume_at(new_threshold)
         _check(mode, new_threshold, resume_at)
         self.mode, self.threshold, self.resume_at = mode, new_threshold, resume_at
-        if mode == "auto":
+        self.exploring = 0
+        if mode == "auto" and self._measured(self.last_batch_size):
+            want = self._preferred(self.buckets[bucket_of(self.last_batch_size)],
+                                   self.last_batch_size, incumbent=self.enabled)
+        elif mode == "auto":
             want = self.last_batch_size <= self.threshold if self.enabled else (
                 self.last_batch_size <= self.resume_at)
         else:
@@ -95,9 +218,10 @@ class SpecController:
     def _switch(self, enabled: bool, cause: str) -> SpecEvent:
         self.enabled = enabled
         self.num_transitions += 1
+        on, off = self.figures(self.last_batch_size) if self.last_batch_size else (0.0, 0.0)
         return SpecEvent(step=self.num_steps, enabled=enabled, cause=cause, mode=self.mode,
                          batch_size=self.last_batch_size, threshold=self.threshold,
-                         resume_at=self.resume_at)
+                         resume_at=self.resume_at, on_tok_s=on, off_tok_s=off)
 
 
 def _check(mode: str, threshold: int, resume_at: int | None) -> None:
