@@ -58,6 +58,8 @@ ENGINE_HELP = {
                                     "until both modes are measured there.",
     "spec_auto_measure": "in auto mode, measure both modes' throughput per batch size and "
                          "use the faster (re-measured every 256 steps).",
+    "overlap_schedule": "schedule the next step while the device runs this one (default: "
+                        "on for cuda, off for cpu).",
     "extra": "KEY=VALUE engine option for experiments (repeatable).",
 }
 DAEMON_HELP = {

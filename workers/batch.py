@@ -13,27 +13,36 @@ from specd.workers.sequence import Sequence
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence in a step: compute tokens [num_computed_tokens, + num_new_tokens).
+    """One sequence in a step: compute tokens [start, start + num_new_tokens).
 
-    `seq.block_ids` already covers every token computed this step. When the step reaches the
-    end of the sequence (`needs_sample`), the runner samples the next token from the logits
-    of the last computed position.
+    Everything is fixed when the step is scheduled (the scheduler advances
+    `seq.num_computed_tokens` at once, so the live count may have moved on): `start`, whether
+    the step samples (`needs_sample`: it reaches the end of the sequence, placeholders of
+    in-flight samples included), the id of that sample (`sample_id`, see
+    `Sequence.pending_sample_ids`) and how many draft tokens it verifies (`num_drafts`).
+    Built without them (tests, the runner's own callers), they are read from `seq` now.
+    `seq.block_ids` already covers every token computed this step.
     """
 
     seq: Sequence
     num_new_tokens: int
+    start: int = -1
+    needs_sample: bool = False
+    sample_id: int | None = None
+    num_drafts: int = -1
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            seq = self.seq
+            object.__setattr__(self, "start", seq.num_computed_tokens)
+            object.__setattr__(self, "needs_sample", self.end >= seq.num_tokens
+                               + seq.num_placeholders)
+        if self.num_drafts < 0:
+            object.__setattr__(self, "num_drafts", len(self.seq.spec_token_ids))
 
     @property
     def end(self) -> int:
-        return self.seq.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def needs_sample(self) -> bool:
-        return self.end >= self.seq.num_tokens
+        return self.start + self.num_new_tokens
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ class EngineConfig:
     # In auto, measure both modes' throughput per batch-size bucket and use the faster
     # (the threshold decides only until both are measured): spec/controller.py.
     spec_auto_measure: bool = True
+    # Schedule step N + 1 while step N runs (None: on for CUDA, off on the CPU, where the
+    # device is the host and there is nothing to hide): engine.py, scheduler.py.
+    overlap_schedule: bool | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,12 @@ class EngineConfig:
         if self.draft_model:
             return Path(self.draft_model)
         return FIXTURE_DRAFT_DIR if self.model is None else None
+
+    @property
+    def overlap_enabled(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.device.startswith("cuda")
 
     @property
     def torch_dtype_name(self) -> str:

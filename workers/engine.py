@@ -15,10 +15,10 @@ from typing import Any
 
 from specd.daemon.tokenizer import Tokenizer
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import TokenLogprobs
+from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.model_config import ModelConfig
-from specd.workers.model_runner import ModelRunner
+from specd.workers.model_runner import ModelRunner, PendingOutput
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.controller import SpecController
@@ -41,6 +41,15 @@ class RequestDelta:
     logprobs: list[TokenLogprobs]
     num_drafted: int = 0
     num_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose results the host has not read yet (overlap scheduling)."""
+
+    batch: ScheduledBatch
+    pending: PendingOutput
+    t0: float
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,9 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             speculative=self.spec is not None,
         )
+        self.overlap = config.overlap_enabled
+        self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
+        self._last_finish = 0.0
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
         self._num_steps = 0
@@ -125,44 +137,98 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
-        got tokens or finished."""
+        got tokens or finished.
+
+        With overlap scheduling the step is split: schedule and launch step N, then
+        process step N - 1's results (which the host reads only now), so the deltas lag
+        one call behind. Speculative steps need the accepted tokens before drafting, so
+        they run whole, after the in-flight step is processed (drained).
+        """
+        if self.overlap and self._can_overlap():
+            return self._step_overlapped()
+        return self._drain() + self._step_whole()
+
+    def _can_overlap(self) -> bool:
+        if self.spec is None:
+            return True
+        return not self.spec.controller.enabled and not any(
+            s.spec_token_ids for s in self.scheduler.running)
+
+    def _step_overlapped(self) -> list[RequestDelta]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        launched = None
+        if not batch.is_empty:
+            if self.spec is None:
+                pending = self.runner.launch(batch)
+            else:
+                for request_id in batch.preempted_ids:
+                    self.spec.drop_pending(request_id)
+                pending = self.spec.launch_plain(batch)
+            launched = _InFlight(batch, pending, t0)
+        deltas = self._drain()
+        self._in_flight = launched
+        return deltas
+
+    def _drain(self) -> list[RequestDelta]:
+        """Process the step in flight, if any (its results reach the host here)."""
+        if self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        return self._finish(in_flight.batch, in_flight.pending.resolve(), in_flight.t0)
+
+    def _step_whole(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         if self.spec is None:
             output = self.runner.execute(batch)
-            updated = self.scheduler.update(batch, output)
         else:
             for request_id in batch.preempted_ids:
                 self.spec.drop_pending(request_id)
-            # Read before execute/update, which consume the drafts.
-            speculated = any(s.seq.spec_token_ids for s in batch.scheduled)
-            steady = all(s.num_new_tokens == 1 + len(s.seq.spec_token_ids)
-                         and s.seq.num_computed_tokens == s.seq.num_tokens - 1
-                         for s in batch.scheduled)
             output = self.spec.execute(batch)
-            updated = self.scheduler.update(batch, output)
-            # Drafts for the next step: after update, which consumes the previous drafts
-            # and appends the tokens the drafts continue from.
+        return self._finish(batch, output, t0)
+
+    def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float
+                ) -> list[RequestDelta]:
+        """update -> (speculation: controller, drafts for the next step) -> deltas."""
+        updated = self.scheduler.update(batch, output)
+        if self.spec is not None:
             controller = self.spec.controller
             was_enabled = controller.enabled
+            # Drafts for the next step: after update, which consumes the previous drafts
+            # and appends the tokens the drafts continue from.
             event = self.spec.update_controller(self.scheduler.num_running)
             if event is not None:
                 log.info("speculation %s", "on" if event.enabled else "off",
                          extra=event.as_dict())
             self.spec.propose(updated)
+            step_s = self._step_time(t0)
             # A steady decode step in the mode the controller kept is a fair sample of that
             # mode (prefill chunks and the step that switched belong to neither).
-            if steady and event is None and speculated == was_enabled:
-                controller.record(len(batch.scheduled), speculated, time.perf_counter() - t0,
+            speculated = any(s.num_drafts for s in batch.scheduled)
+            steady = all(s.needs_sample and s.num_new_tokens == 1 + s.num_drafts
+                         for s in batch.scheduled)
+            if steady and event is None and speculated == was_enabled and step_s > 0:
+                controller.record(len(batch.scheduled), speculated, step_s,
                                   sum(len(t) for t in output.sampled.values()))
+        else:
+            self._step_time(t0)
         self._num_steps += 1
         return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
+
+    def _step_time(self, t0: float) -> float:
+        """The finished step's share of wall time: since it started, or since the previous
+        step finished if it started earlier (overlapped steps run back to back)."""
+        now = time.perf_counter()
+        step_s = now - max(t0, self._last_finish)
+        self._last_finish = now
+        return step_s
 
     def _delta(self, seq: Seq, logprobs: list[TokenLogprobs]) -> RequestDelta:
         start = self._num_emitted.get(seq.request_id, 0)

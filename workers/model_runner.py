@@ -7,8 +7,8 @@ the rows that sample, samples, and returns a `ModelOutput` (plain data again).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +17,13 @@ from specd.workers.attention import AttentionMetadata, build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig
 from specd.workers.decode_stage import DecodeStage
+from specd.workers.host_copy import HostCopy
 from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
 from specd.workers.sequence import Sequence as Seq
+from specd.workers.sequence import placeholder_token_id
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,7 +34,8 @@ class StepInputs:
 
     input_ids, positions: int64 [N]; meta: the attention metadata shared by all layers;
     sample_rows: int64 [M], the last row of each sequence that samples this step;
-    sample_seqs: those M sequences, in the same order.
+    sample_seqs: those M sequences, in the same order; sample_ids: their sample ids;
+    has_placeholders: some input ids are placeholders of in-flight samples (negative).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +43,28 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor
     sample_seqs: list[Seq]
+    sample_ids: list[int] = field(default_factory=list)
+    has_placeholders: bool = False
+
+
+@dataclass(frozen=True)
+class PendingOutput:
+    """A launched step's results, still on the device: `resolve()` is where the host waits
+    for them (HostCopy) and turns them into a ModelOutput."""
+
+    seqs: list[Seq]
+    tokens: HostCopy | None
+    logits: torch.Tensor | None  # [M, vocab], kept only when a sequence asked for logprobs
+    logprobs: Callable[[torch.Tensor, torch.Tensor, list[Seq]], dict[str, list[TokenLogprobs]]]
+
+    def resolve(self) -> ModelOutput:
+        if self.tokens is None:
+            return ModelOutput(sampled={})
+        values = self.tokens.values()
+        sampled = {s.request_id: [t] for s, t in zip(self.seqs, values, strict=True)}
+        logprobs = ({} if self.logits is None else self.logprobs(
+            self.logits, torch.tensor(values, device=self.logits.device), self.seqs))
+        return ModelOutput(sampled=sampled, logprobs=logprobs)
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
@@ -54,12 +79,17 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     positions: list[int] = []
     sample_rows: list[int] = []
     sample_seqs: list[Seq] = []
+    sample_ids: list[int] = []
+    has_placeholders = False
     for s in batch.scheduled:
         token_ids += _token_slice(s.seq, s.start, s.end)
         positions += range(s.start, s.end)
+        has_placeholders = has_placeholders or s.end > s.seq.num_tokens + len(
+            s.seq.spec_token_ids)
         if s.needs_sample:
             sample_rows.append(len(token_ids) - 1)
             sample_seqs.append(s.seq)
+            sample_ids.append(-1 if s.sample_id is None else s.sample_id)
     meta = build_attention_metadata(
         query_lens=[s.num_new_tokens for s in batch.scheduled],
         seq_lens=[s.end for s in batch.scheduled],
@@ -74,6 +104,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sample_seqs=sample_seqs,
+        sample_ids=sample_ids,
+        has_placeholders=has_placeholders,
     )
 
 
@@ -106,41 +138,69 @@ class ModelRunner:
         # config.seed; a request with its own seed gets its own generator on first use.
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        # Sampled tokens by sample id (modulo the size), on the device: a step scheduled
+        # before the previous one's results reached the host reads its placeholders here.
+        # Unresolved samples never exceed 2 per running sequence.
+        self.future_tokens = torch.zeros(4 * config.max_num_seqs + 8, dtype=torch.int64,
+                                         device=self.device)
+        self.num_placeholders_resolved = 0  # figures for tests
         # Plain decode on the CPU keeps its group's K/V between steps (decode_stage.py).
         self.decode_stage = DecodeStage(config.block_size) if self.device.type == "cpu" else None
         self.last_inputs: StepInputs | None = None
         self.last_hidden: torch.Tensor | None = None
         self.last_aux_hidden: torch.Tensor | None = None
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step; sample one token for each sequence whose step reaches its end."""
-        if batch.is_empty:
-            return ModelOutput(sampled={})
-        drafted = [s.seq.request_id for s in batch.scheduled if s.seq.spec_token_ids]
+        return self.launch(batch).resolve()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingOutput:
+        """Launch one plain step (placeholders resolved on the device, samples written to
+        `future_tokens`); the host reads the results through `resolve()` when it needs
+        them, which overlap scheduling defers until the next step is launched."""
+        drafted = [s.seq.request_id for s in batch.scheduled if s.num_drafts]
         if drafted:
             raise ValueError(f"execute runs plain steps; requests {drafted} carry draft tokens "
                              f"(verification belongs to the speculative worker)")
+        if batch.is_empty:
+            return PendingOutput([], None, None, self._logprobs)
         inputs = prepare_inputs(batch, self.config.block_size, self.device, self.decode_stage)
         hidden = self.forward(inputs)
         seqs = inputs.sample_seqs
         if not seqs:
-            return ModelOutput(sampled={})
+            return PendingOutput([], None, None, self._logprobs)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()  # [M, vocab]
         params = [s.sampling for s in seqs]
         tokens = sampler.sample(logits, params, [self._generator(s) for s in seqs],
                                 self.default_generator)
-        sampled = {s.request_id: [t] for s, t in zip(seqs, tokens.tolist(), strict=True)}
-        return ModelOutput(sampled=sampled, logprobs=self._logprobs(logits, tokens, seqs))
+        self._write_futures(inputs.sample_ids, tokens)
+        wants_logprobs = any(s.sampling.logprobs > 0 for s in seqs)
+        return PendingOutput(seqs, HostCopy(tokens), logits if wants_logprobs else None,
+                             self._logprobs)
+
+    def _write_futures(self, sample_ids: list[int], tokens: torch.Tensor) -> None:
+        if sample_ids and min(sample_ids) >= 0:
+            index = torch.tensor(sample_ids, device=self.device) % self.future_tokens.shape[0]
+            self.future_tokens[index] = tokens
+
+    def _resolve_placeholders(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Placeholder ids (negative) -> the tokens their samples produced, on the device."""
+        index = (-1 - input_ids).clamp(min=0) % self.future_tokens.shape[0]
+        resolved = torch.where(input_ids < 0, self.future_tokens[index], input_ids)
+        self.num_placeholders_resolved += int((input_ids < 0).sum())
+        return resolved
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's tokens: hidden [N, hidden] after the final norm. Writes
         this step's KV into the cache and records `last_*` (see the class docstring)."""
+        input_ids = (self._resolve_placeholders(inputs.input_ids) if inputs.has_placeholders
+                     else inputs.input_ids)
         staged = any(g.stage_plan is not None for g in inputs.meta.groups)
         if not staged:
             self.invalidate_decode_stage()  # this forward writes K/V the copy would miss
         try:
-            hidden, aux = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+            hidden, aux = self.model(input_ids, inputs.positions, self.kv_caches,
                                      inputs.meta, self.capture_layers)
         except BaseException:
             self.invalidate_decode_stage()  # some layers may have appended, others not
@@ -180,7 +240,11 @@ class ModelRunner:
 
 def _token_slice(seq: Seq, start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + output + drafts, without concatenating whole lists."""
-    parts = (seq.prompt_token_ids, seq.output_token_ids, seq.spec_token_ids)
+    # Drafts and placeholders never meet: a sequence with a pending sample gets no drafts
+    # (speculative steps run with nothing in flight), and a step that verifies drafts does
+    # not read the placeholder of its own sample.
+    placeholders = [placeholder_token_id(i) for i in seq.pending_sample_ids]
+    parts = (seq.prompt_token_ids, seq.output_token_ids, seq.spec_token_ids, placeholders)
     out: list[int] = []
     offset = 0
     for part in parts:

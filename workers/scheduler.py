@@ -12,10 +12,21 @@ sequence is preempted by recomputation: its blocks are freed (cached full blocks
 reusable), its computed tokens drop to 0, and it goes back to the front of the waiting
 queue. No new sequence is admitted in a step that preempted one.
 
+Bookkeeping happens when a step is scheduled, not when its results come back (as vLLM's
+async scheduling): `schedule` advances `num_computed_tokens` by the tokens it schedules and
+gives each step that reaches the end of a sequence a sample id, kept in
+`seq.pending_sample_ids` until `update` appends the sampled token. So the next step can be
+scheduled before this one's results are known on the host (overlap scheduling): a sequence
+with a pending sample has a placeholder token after its output, scheduled like any other
+token and fed to the model as `placeholder_token_id(sample_id)`, which the runner resolves
+on the device. A sequence whose pending samples would reach max_tokens or max_model_len is
+not scheduled again until they are known. A result for a sequence that finished meanwhile
+(a stop token in an earlier result, an abort) is dropped.
+
 Speculation: a sequence with k = len(spec_token_ids) drafts is scheduled for
 num_tokens + k - num_computed_tokens tokens. After the step, with a = len(sampled) - 1
-accepted drafts, num_computed_tokens = old + num_new_tokens - (k - a): the rejected drafts'
-slots are simply written over later. This assumes the accepted drafts' KV sits in the slots
+accepted drafts, num_computed_tokens drops by the k - a rejected drafts: their slots are
+simply written over later. This assumes the accepted drafts' KV sits in the slots
 of positions num_tokens - 1 + 1 .. + a (a chain); with a draft tree, verification must move
 the accepted path's KV there before `update`.
 """
@@ -87,6 +98,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemption_events: list[PreemptionEvent] = []
         self.last_batch = ScheduledBatch(scheduled=[])
+        self.num_samples = 0  # sample ids handed out so far
 
     @property
     def num_running(self) -> int:
@@ -158,6 +170,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status is not SequenceStatus.RUNNING:
                 break  # out of budget, or seq itself was preempted (it was the last)
+            if self._awaits_its_last_sample(seq):
+                continue
             num_new = self._num_tokens_to_run(seq, budget)
             while not self.block_manager.can_append_slots(seq, num_new):
                 victim = self.running[-1]
@@ -167,7 +181,7 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.append_slots(seq, num_new)
-                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled.append(self._schedule_tokens(seq, num_new))
                 budget -= num_new
         if not preempted_ids:
             scheduled += self._admit_waiting(budget)
@@ -175,48 +189,77 @@ class Scheduler:
         self.num_steps += 1
         return self.last_batch
 
+    def _schedule_tokens(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        """Fix the step's view of `seq` and advance its bookkeeping (see module docstring)."""
+        start = seq.num_computed_tokens
+        needs_sample = start + num_new >= seq.num_tokens + seq.num_placeholders
+        sample_id = None
+        if needs_sample:
+            sample_id = self.num_samples
+            self.num_samples += 1
+            seq.pending_sample_ids.append(sample_id)
+        seq.num_computed_tokens += num_new
+        return ScheduledSequence(seq, num_new, start=start, needs_sample=needs_sample,
+                                 sample_id=sample_id, num_drafts=len(seq.spec_token_ids))
+
+    def _awaits_its_last_sample(self, seq: Sequence) -> bool:
+        """Pending samples already reach max_tokens or max_model_len: nothing more to run."""
+        n = seq.num_placeholders
+        return n > 0 and (seq.num_output_tokens + n >= seq.sampling.max_tokens
+                          or seq.num_tokens + n >= self.max_model_len)
+
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
         """Apply a step's results; return the sequences that got tokens or finished, in
         batch order.
 
-        A sequence whose step reached its end appends `output.sampled[request_id]` token by
-        token, stopping at the first that ends it (tokens after it are dropped). A sequence
-        finished by abort since `schedule` is skipped.
+        A sequence whose step sampled appends `output.sampled[request_id]` token by token,
+        stopping at the first that ends it (tokens after it are dropped). A sequence that
+        finished since `schedule` (abort, or a stop token in an earlier step's result) is
+        skipped. A preempted sequence still takes its result (the token is valid; its KV is
+        recomputed when it is admitted again).
         """
         changed: list[Sequence] = []
         for item in batch.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.is_finished:
                 continue
-            num_drafts = len(seq.spec_token_ids)
-            # Read before num_computed_tokens moves: `item.needs_sample` depends on it.
-            needs_sample = item.needs_sample
-            if not needs_sample:
-                seq.num_computed_tokens += item.num_new_tokens
+            if not item.needs_sample:
                 self.block_manager.cache_computed_blocks(seq)
                 continue
             sampled = output.sampled.get(seq.request_id)
-            if not sampled or len(sampled) > num_drafts + 1:
+            if not sampled or len(sampled) > item.num_drafts + 1:
                 raise ValueError(
-                    f"request {seq.request_id}: expected 1 to {num_drafts + 1} sampled tokens "
-                    f"(with {num_drafts} drafts), got {sampled}")
-            num_rejected = num_drafts - (len(sampled) - 1)
-            seq.num_computed_tokens += item.num_new_tokens - num_rejected
-            seq.spec_token_ids = []
+                    f"request {seq.request_id}: expected 1 to {item.num_drafts + 1} sampled "
+                    f"tokens (with {item.num_drafts} drafts), got {sampled}")
+            if not seq.pending_sample_ids or seq.pending_sample_ids[0] != item.sample_id:
+                raise ValueError(f"request {seq.request_id}: result for sample {item.sample_id} "
+                                 f"out of order (pending {seq.pending_sample_ids})")
+            seq.pending_sample_ids.pop(0)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens -= item.num_drafts - (len(sampled) - 1)
+                seq.spec_token_ids = []
             self._append_tokens(seq, sampled)
             self.block_manager.cache_computed_blocks(seq)
             if seq.is_finished:
-                self.running.remove(seq)
+                self._remove(seq)
                 self._release(seq)
             changed.append(seq)
         return changed
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the running list or (preempted) the waiting queue."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
 
     def _num_tokens_to_run(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for a running sequence, trimming drafts (and prefill chunks) to
         the budget and drafts to max_model_len. Drafts are kept as a prefix, so a draft tree
         listed parents first stays a tree."""
-        num_missing = seq.num_tokens - seq.num_computed_tokens
-        max_drafts = max(0, min(self.max_model_len - seq.num_tokens, budget - num_missing))
+        num_missing = seq.num_tokens + seq.num_placeholders - seq.num_computed_tokens
+        max_drafts = max(0, min(self.max_model_len - seq.num_tokens - seq.num_placeholders,
+                                budget - num_missing))
         if len(seq.spec_token_ids) > max_drafts:
             seq.spec_token_ids = seq.spec_token_ids[:max_drafts]
         return min(budget, num_missing + len(seq.spec_token_ids))
@@ -225,6 +268,7 @@ class Scheduler:
         admitted: list[ScheduledSequence] = []
         while (self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs
+               and not self.waiting[0].pending_sample_ids  # preempted, result not back yet
                and self.block_manager.can_allocate(self.waiting[0])):
             seq = self.waiting.popleft()
             num_cached = self.block_manager.allocate(seq)
@@ -234,7 +278,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: self.arrival_index[s.request_id])
             num_new = min(budget, seq.num_tokens - num_cached)
-            admitted.append(ScheduledSequence(seq, num_new))
+            admitted.append(self._schedule_tokens(seq, num_new))
             budget -= num_new
         return admitted
 

@@ -52,6 +52,10 @@ class Sequence:
         self.num_preemptions = 0
         # Draft tokens proposed for the next verify step (speculation); empty otherwise.
         self.spec_token_ids: list[int] = []
+        # Samples scheduled but not yet known on the host, oldest first (overlap scheduling:
+        # the device resolves them; see scheduler.py). Each is a placeholder token after
+        # the output tokens, fed to the model as `placeholder_token_id(sample_id)`.
+        self.pending_sample_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,9 +74,19 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_placeholders(self) -> int:
+        return len(self.pending_sample_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+def placeholder_token_id(sample_id: int) -> int:
+    """The input id standing for the token of sample `sample_id` (negative, so it can never
+    be a real token): the runner replaces it on the device with the sampled token."""
+    return -1 - sample_id

@@ -34,7 +34,7 @@ from specd.workers import sampler
 from specd.workers.attention import build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, ScheduledSequence, TokenLogprobs
 from specd.workers.config import EngineConfig
-from specd.workers.model_runner import ModelRunner, StepInputs, _token_slice
+from specd.workers.model_runner import ModelRunner, PendingOutput, StepInputs, _token_slice
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.accept import accept_tree
 from specd.workers.spec.controller import SpecController, SpecEvent
@@ -160,18 +160,23 @@ class SpeculativeWorker:
 
     def _execute_plain(self, items: list[ScheduledSequence], batch: ScheduledBatch
                        ) -> ModelOutput:
-        """No drafts in the batch: the runner's own step; only the aux rows are kept (the
-        whole cost of speculation while it is off)."""
-        starts = [s.start for s in items]  # before the runner: start reads the live count
-        output = self.runner.execute(batch)
+        return self.launch_plain(batch).resolve()
+
+    @torch.inference_mode()
+    def launch_plain(self, batch: ScheduledBatch) -> PendingOutput:
+        """A step without drafts: the runner's own (launched, results still on the device);
+        only the aux rows are kept (the whole cost of speculation while it is off)."""
+        pending = self.runner.launch(batch)
+        if batch.is_empty:
+            return pending
         aux = self.runner.last_aux_hidden
         if aux is None:
             raise ValueError("the target returned no aux hidden states")
         row = 0
-        for s, start in zip(items, starts, strict=True):
-            self._keep_aux(s.seq, start, aux[row: row + s.num_new_tokens])
+        for s in batch.scheduled:
+            self._keep_aux(s.seq, s.start, aux[row: row + s.num_new_tokens])
             row += s.num_new_tokens
-        return output
+        return pending
 
     def _is_tree(self, s: ScheduledSequence) -> bool:
         state = self.states.get(s.seq.request_id)

@@ -1,0 +1,136 @@
+"""Overlap scheduling on the CPU: step N + 1 is scheduled and launched before step N's
+results reach the host, and greedy output is token for token what the whole-step engine
+produces, for every speculation mode, with requests arriving, finishing, aborting and being
+preempted between steps. The stand-ins for device streams and events are synchronous
+(workers/host_copy.py); the one-step lag and the device-side resolution of placeholder
+tokens are the real code paths."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from specd.ipc.sampling import SamplingParams
+from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.engine import EngineCore
+
+# (step at which it arrives, prompt index, max_tokens); request r3 is aborted once it has
+# received ABORT_AFTER tokens.
+ARRIVALS = [(0, 0, 24), (0, 1, 8), (1, 2, 30), (3, 3, 40), (5, 4, 12), (9, 5, 20),
+            (9, 6, 16)]
+ABORTED, ABORT_AFTER = "r3", 9
+
+
+def _prompts() -> list[list[int]]:
+    from specd.daemon.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(FIXTURE_DIR)
+    lines = (FIXTURE_DIR / "heldout_prompts.jsonl").read_text().splitlines()
+    return [tok.encode(json.loads(line)["prompt"])[: 5 + 11 * i]
+            for i, line in enumerate(lines[:7])]
+
+
+PROMPTS = _prompts()
+
+
+def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore]:
+    torch.set_num_threads(1)
+    explore_every = options.pop("_explore_every", None)
+    core = EngineCore(EngineConfig(max_num_batched_tokens=64, overlap_schedule=overlap,
+                                   **options))
+    if explore_every is not None and core.spec is not None:
+        core.spec.controller.explore_every = explore_every
+    out: dict[str, list[int]] = {}
+    pending = list(ARRIVALS)
+    step = 0
+    while pending or core.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, i, max_tokens = pending.pop(0)
+            core.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True))
+            out[f"r{i}"] = []
+        for delta in core.step():
+            out[delta.request_id] += delta.new_token_ids
+        if ABORTED in out and len(out[ABORTED]) >= ABORT_AFTER and core.abort_request(ABORTED):
+            pass
+        step += 1
+    return out, core
+
+
+MODES = {
+    "no-head": {"speculative_algorithm": None},
+    "spec-off": {"spec_mode": "off"},
+    "chain": {"spec_mode": "on", "spec_topk": 1, "spec_num_steps": 4},
+    "tree": {"spec_mode": "on", "spec_topk": 3, "spec_num_steps": 3,
+             "spec_num_draft_tokens": 8},
+    "auto-threshold": {"spec_mode": "auto", "spec_disable_batch_threshold": 2,
+                       "spec_auto_measure": False},
+}
+
+
+@pytest.fixture(scope="module")
+def whole_step() -> dict[str, list[int]]:
+    out, _ = run(False, speculative_algorithm=None)
+    return out
+
+
+def assert_same(got: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
+    assert got.keys() == expected.keys()
+    for request_id, tokens in expected.items():
+        if request_id == ABORTED:
+            # Aborted once ABORT_AFTER tokens had arrived: a prefix, cut at the same point.
+            assert got[request_id][:ABORT_AFTER] == tokens[:ABORT_AFTER]
+        else:
+            assert got[request_id] == tokens, request_id
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_overlap_on_gives_the_whole_step_engines_output(
+        whole_step: dict[str, list[int]], mode: str) -> None:
+    got, core = run(True, **MODES[mode])
+    assert_same(got, whole_step)
+    assert not core.has_unfinished()
+    if mode in ("no-head", "spec-off", "auto-threshold"):
+        # Plain steps really overlapped: inputs came from samples the host had not read.
+        assert core.runner.num_placeholders_resolved > 0
+    if mode in ("chain", "tree", "auto-threshold"):
+        assert core.stats().num_accepted > 0
+
+
+def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[int]]) -> None:
+    got, core = run(True, spec_mode="auto", spec_disable_batch_threshold=2,
+                    _explore_every=3)
+    assert_same(got, whole_step)
+    assert core.spec is not None and core.spec.controller.num_transitions >= 3
+    assert core.runner.num_placeholders_resolved > 0
+
+
+def test_overlap_under_preemption(whole_step: dict[str, list[int]]) -> None:
+    # 12 blocks of 16 tokens cannot hold these requests at once: some are preempted, some
+    # while a step that samples for them is still in flight.
+    for options in ({"speculative_algorithm": None}, {"spec_mode": "auto"}):
+        got, core = run(True, num_kv_blocks=12, **options)
+        assert core.scheduler.num_preemptions > 0
+        assert_same(got, whole_step)
+
+
+def test_whole_step_engine_never_reads_a_placeholder() -> None:
+    _, core = run(False, speculative_algorithm=None)
+    assert core.runner.num_placeholders_resolved == 0
+
+
+def test_the_host_reads_a_step_only_after_launching_the_next() -> None:
+    core = EngineCore(EngineConfig(speculative_algorithm=None, overlap_schedule=True))
+    core.add_request("a", PROMPTS[2], SamplingParams(max_tokens=5, ignore_eos=True))
+    seq = core.scheduler.sequences["a"]
+    assert core.step() == []  # prefill launched; nothing processed yet
+    assert seq.num_placeholders == 1 and seq.output_token_ids == []
+    deltas = core.step()  # decode launched on the placeholder, then the prefill processed
+    assert [len(d.new_token_ids) for d in deltas] == [1]
+    assert seq.num_placeholders == 1 and len(seq.output_token_ids) == 1
+    while core.has_unfinished():
+        core.step()
+    assert seq.num_output_tokens == 5 and seq.num_placeholders == 0

@@ -1,0 +1,36 @@
+"""Where a step's device results become host values: the one synchronisation point of a step.
+
+`HostCopy(tensor)` starts the copy when the step is launched; `values()` waits for it. On
+CUDA the copy goes to pinned memory on the current stream and an event marks its end, so
+the host blocks only when it reads the values (after it has scheduled and launched the
+next step: overlap scheduling). On the CPU there is nothing to wait for: the stand-in
+reads the tensor at once, and the pipeline around it runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostCopy:
+    """A device tensor on its way to the host."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def ready(self) -> bool:
+        """Whether `values` would return without waiting."""
+        return self._event is None or bool(self._event.query())
+
+    def values(self) -> list[int]:
+        """The tensor's values (waits for the copy on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [int(v) for v in self._host.tolist()]
