@@ -12,14 +12,14 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from specd.ipc.sampling import SamplingParams
-    from specd.workers.engine import Engine
+    from specd.workers.engine_api import Engine
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from specd.workers.engine import Engine
+        from specd.workers.engine_api import Engine
 
         return Engine
     if name == "SamplingParams":
