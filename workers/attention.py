@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.workers.decode_stage import DecodeStage, StagePlan
+from specd.workers.host_copy import upload
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per draft row
 
@@ -102,10 +103,10 @@ def build_attention_metadata(
         groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask,
                                slot_mapping, block_tables if stage is not None else None, stage)
     return AttentionMetadata(
-        query_start_loc=start_loc.to(device=device, dtype=torch.int32),
-        seq_lens=s_lens.to(device=device, dtype=torch.int32),
-        block_tables=tables.to(device=device, dtype=torch.int32),
-        slot_mapping=slot_mapping.to(device),
+        query_start_loc=upload(start_loc.to(torch.int32), device),
+        seq_lens=upload(s_lens.to(torch.int32), device),
+        block_tables=upload(tables.to(torch.int32), device),
+        slot_mapping=upload(slot_mapping, device),
         tree_mask=tree_mask,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),

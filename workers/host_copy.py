@@ -34,3 +34,12 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return [int(v) for v in self._host.tolist()]
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA it is staged in
+    pinned memory and copied asynchronously (a copy from pageable memory would block the
+    host until the stream reaches it, i.e. until the step in flight ends)."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

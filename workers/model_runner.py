@@ -17,7 +17,7 @@ from specd.workers.attention import AttentionMetadata, build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig
 from specd.workers.decode_stage import DecodeStage
-from specd.workers.host_copy import HostCopy
+from specd.workers.host_copy import HostCopy, upload
 from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.loader import load_model
@@ -35,7 +35,7 @@ class StepInputs:
     input_ids, positions: int64 [N]; meta: the attention metadata shared by all layers;
     sample_rows: int64 [M], the last row of each sequence that samples this step;
     sample_seqs: those M sequences, in the same order; sample_ids: their sample ids;
-    has_placeholders: some input ids are placeholders of in-flight samples (negative).
+    num_placeholders: how many input ids are placeholders of in-flight samples (negative).
     """
 
     input_ids: torch.Tensor
@@ -44,7 +44,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     sample_seqs: list[Seq]
     sample_ids: list[int] = field(default_factory=list)
-    has_placeholders: bool = False
+    num_placeholders: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,12 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     sample_rows: list[int] = []
     sample_seqs: list[Seq] = []
     sample_ids: list[int] = []
-    has_placeholders = False
+    num_placeholders = 0
     for s in batch.scheduled:
         token_ids += _token_slice(s.seq, s.start, s.end)
         positions += range(s.start, s.end)
-        has_placeholders = has_placeholders or s.end > s.seq.num_tokens + len(
-            s.seq.spec_token_ids)
+        known = s.seq.num_tokens + len(s.seq.spec_token_ids)
+        num_placeholders += max(0, s.end - max(s.start, known))
         if s.needs_sample:
             sample_rows.append(len(token_ids) - 1)
             sample_seqs.append(s.seq)
@@ -99,13 +99,13 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         stage=stage,
     )
     return StepInputs(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=upload(torch.tensor(token_ids, dtype=torch.int64), device),
+        positions=upload(torch.tensor(positions, dtype=torch.int64), device),
         meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        sample_rows=upload(torch.tensor(sample_rows, dtype=torch.int64), device),
         sample_seqs=sample_seqs,
         sample_ids=sample_ids,
-        has_placeholders=has_placeholders,
+        num_placeholders=num_placeholders,
     )
 
 
@@ -187,15 +187,15 @@ class ModelRunner:
     def _resolve_placeholders(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Placeholder ids (negative) -> the tokens their samples produced, on the device."""
         index = (-1 - input_ids).clamp(min=0) % self.future_tokens.shape[0]
-        resolved = torch.where(input_ids < 0, self.future_tokens[index], input_ids)
-        self.num_placeholders_resolved += int((input_ids < 0).sum())
-        return resolved
+        return torch.where(input_ids < 0, self.future_tokens[index], input_ids)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's tokens: hidden [N, hidden] after the final norm. Writes
         this step's KV into the cache and records `last_*` (see the class docstring)."""
-        input_ids = (self._resolve_placeholders(inputs.input_ids) if inputs.has_placeholders
-                     else inputs.input_ids)
+        input_ids = inputs.input_ids
+        if inputs.num_placeholders:
+            input_ids = self._resolve_placeholders(input_ids)
+            self.num_placeholders_resolved += inputs.num_placeholders
         staged = any(g.stage_plan is not None for g in inputs.meta.groups)
         if not staged:
             self.invalidate_decode_stage()  # this forward writes K/V the copy would miss
