@@ -29,9 +29,9 @@ ASSISTED_GENERATION = {
 
 
 def run_baseline(model_dir: Path, prompts: list[str], max_new_tokens: int,
-                 num_threads: int | None = None) -> dict[str, Any]:
+                 num_threads: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """Greedy `generate()` of exactly `max_new_tokens` tokens per prompt, one prompt at a
-    time (after one untimed warm-up); tokens/s over the whole run."""
+    time (after one untimed warm-up), in `dtype` (the daemon's); tokens/s over the run."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -40,7 +40,7 @@ def run_baseline(model_dir: Path, prompts: list[str], max_new_tokens: int,
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     tokenizer = Tokenizer.from_dir(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
     ids = [torch.tensor([tokenizer.encode(p)]) for p in prompts]
 
@@ -58,5 +58,5 @@ def run_baseline(model_dir: Path, prompts: list[str], max_new_tokens: int,
     return {"library": "transformers", "model": str(model_dir), "batch_size": 1,
             "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "num_output_tokens": num_tokens, "wall_s": wall, "tokens_per_s": num_tokens / wall,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "dtype": dtype,
             "assisted_generation": ASSISTED_GENERATION}

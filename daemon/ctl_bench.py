@@ -112,7 +112,10 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
 
         model = baseline_model or Path(sweep.daemon["engine_config"].get("model") or FIXTURE_DIR)
         click.echo(f"bench: transformers baseline on {model}", err=True)
-        baseline_result = run_baseline(model, load_prompts(baseline_prompts), max_tokens)
+        # The daemon's dtype, so that both sides run the same arithmetic.
+        dtype = str(sweep.daemon.get("resolved", {}).get("dtype", "float32"))
+        baseline_result = run_baseline(model, load_prompts(baseline_prompts), max_tokens,
+                                       dtype=dtype)
     report: dict[str, Any] = {
         "benchmark": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "command": " ".join(sys.argv), "machine": machine_before,

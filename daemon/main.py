@@ -38,7 +38,8 @@ ENGINE_HELP = {
     "model": "Hugging Face model directory (safetensors + config.json + tokenizer.json); "
              "default: the embedded fixture model.",
     "device": "cpu or cuda[:N].",
-    "dtype": f"activation dtype: auto (float32 on cpu, bfloat16 on cuda) or one of {DTYPES}.",
+    "dtype": f"activation dtype: auto (the checkpoint's bfloat16/float16 on cuda and on a "
+             f"cpu with AVX512-BF16 or AMX, else float32) or one of {DTYPES}.",
     "block_size": "tokens per KV-cache block (a power of two).",
     "kv_cache_memory_bytes": "memory budget of the paged KV cache, in bytes.",
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget).",

@@ -38,12 +38,15 @@ def bench_specd(engine: specd.Engine, prompts: list[str], max_tokens: int) -> di
             "tokens_per_s": tokens / wall}
 
 
-def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    """transformers' generate() at batch 1, one prompt after another, greedy."""
+def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int, dtype: str
+                       ) -> dict[str, Any]:
+    """transformers' generate() at batch 1, one prompt after another, greedy, in `dtype`
+    ("auto" = the checkpoint's, transformers' own default)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).eval()
     tokens = 0
     t0 = time.perf_counter()
     for prompt in prompts:
@@ -66,11 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch1-prompts", type=int, default=4)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 avoids stalls when other work shares the cores)")
+    p.add_argument("--dtype", default="auto",
+                   help="both systems' dtype: auto (each system's default) or a torch dtype")
     p.add_argument("--out", default="bench_out/bench_engine.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    engine = specd.Engine(args.model, spec_mode="off")
+    engine = specd.Engine(args.model, spec_mode="off", dtype=args.dtype)
     engine.core.warmup()
     batch1_prompts = load_prompts(args.batch1_prompts)
     rows: list[dict[str, Any]] = []
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         r = bench_specd(engine, load_prompts(n), args.max_tokens)
         rows.append({"system": "specd", "mode": f"{n} concurrent", **r})
     hf = bench_transformers(Path(args.model) if args.model else FIXTURE_DIR, batch1_prompts,
-                            args.max_tokens)
+                            args.max_tokens, args.dtype)
     rows.append({"system": "transformers generate()", "mode": "batch 1 (sequential)", **hf})
 
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -101,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['wall_s']:>9.2f}{r['tokens_per_s']:>10.1f}")
     for k, v in summary.items():
         print(f"{k}: {v:.2f}")
+    print(f"specd dtype: {engine.core.resolved.dtype}")
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "torch_threads": torch.get_num_threads()},
+              "specd_dtype": engine.core.resolved.dtype,
               "args": vars(args), "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -21,8 +21,9 @@ class EngineConfig:
     """Everything the engine needs to build itself.
 
     model: a Hugging Face model directory; None serves the embedded fixture model.
-    dtype: activation and unquantized weight dtype ("auto" = float32 on the CPU, where
-        bf16 matmuls are slow, and bfloat16 on CUDA).
+    dtype: activation and unquantized weight dtype ("auto": see
+        `model_runner.resolve_dtype`; the checkpoint's half precision where the device
+        computes it natively, float32 otherwise).
     kv_cache_memory_bytes: budget for the paged KV cache; the block count follows from it.
     num_kv_blocks: overrides the budget with an exact block count (tests force preemption).
     """
@@ -107,11 +108,6 @@ class EngineConfig:
             return self.overlap_schedule
         return self.device.startswith("cuda")
 
-    @property
-    def torch_dtype_name(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -126,3 +122,4 @@ class EngineResolved:
     device: str
     eos_token_ids: tuple[int, ...]
     speculative: bool
+    overlap_schedule: bool = False

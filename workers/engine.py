@@ -94,10 +94,11 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
-            dtype=config.torch_dtype_name,
+            dtype=self.runner.dtype_name,
             device=config.device,
             eos_token_ids=self.model_config.eos_token_ids,
             speculative=self.spec is not None,
+            overlap_schedule=config.overlap_enabled,
         )
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step

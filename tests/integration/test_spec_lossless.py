@@ -59,7 +59,9 @@ def _run(core: EngineCore, hook: Callable[[EngineCore, int], None] | None = None
 
 def _core(**options: Any) -> EngineCore:
     torch.set_num_threads(1)
-    return EngineCore(EngineConfig(max_num_batched_tokens=64, **options))
+    # float32: losslessness is a property of the algorithm; in bfloat16 a verify pass and a
+    # plain step (different matmul shapes) may round a near-tie differently.
+    return EngineCore(EngineConfig(max_num_batched_tokens=64, dtype="float32", **options))
 
 
 @pytest.fixture(scope="module")

@@ -148,3 +148,28 @@ def test_half_precision_runs_close_to_float32(model_dir: Path, dtype: str) -> No
     assert half.kv_caches[0].dtype == getattr(torch, dtype)
     full = logits(make_runner(model_dir))
     torch.testing.assert_close(logits(half), full, atol=0.05 * float(full.std()), rtol=0)
+
+
+@pytest.mark.parametrize(("device", "stored", "native_bf16", "expected"), [
+    ("cpu", "bfloat16", True, "bfloat16"),   # AVX512-BF16/AMX: the checkpoint's dtype
+    ("cpu", "bfloat16", False, "float32"),   # emulated bf16 is slow: float32
+    ("cpu", "float16", True, "float32"),     # no native fp16 matmuls on these CPUs
+    ("cpu", None, True, "float32"),
+    ("cuda", "float16", False, "float16"),
+    ("cuda", "float32", False, "bfloat16"),
+])
+def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
+        monkeypatch: pytest.MonkeyPatch, device: str, stored: str | None, native_bf16: bool,
+        expected: str) -> None:
+    from specd.workers.model_config import ModelConfig
+    from specd.workers.model_runner import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+    class Stored:  # only the field resolve_dtype reads
+        torch_dtype = stored
+
+    cfg: ModelConfig = Stored()  # type: ignore[assignment]
+    assert resolve_dtype(EngineConfig(device=device), cfg) == expected
+    assert resolve_dtype(EngineConfig(device=device, dtype="float16"), cfg) == "float16"

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
-EWMA_WEIGHT = 0.25  # of the newest step in a bucket's average
+EWMA_WEIGHT = 0.1  # of the newest step in a bucket's average (about 20 steps remembered)
 MIN_SAMPLES = 3  # steps measured in a mode before its figure is trusted
 
 
@@ -102,7 +102,7 @@ class SpecController:
 
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
                  measure: bool = False, explore_every: int = 256, explore_steps: int = 4,
-                 margin: float = 0.05) -> None:
+                 margin: float = 0.02) -> None:
         _check(mode, threshold, resume_at)
         if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
             raise ValueError(f"need explore_every >= 1, explore_steps >= 1, 0 <= margin < 1; "
