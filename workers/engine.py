@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
@@ -72,6 +72,9 @@ class EngineStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     catch_up_s: float = 0.0
+    # auto's measured output tokens/s per batch-size bucket: "4-7" -> [on, off] (0 = not
+    # measured yet), so `specctl stats` shows why it speculates or not.
+    spec_measured_tok_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -302,6 +305,7 @@ class EngineCore:
             draft_s=fig.draft_s,
             verify_s=fig.verify_s,
             catch_up_s=fig.catch_up_s,
+            spec_measured_tok_s={} if controller is None else controller.measured_table(),
         )
 
 

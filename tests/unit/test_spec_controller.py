@@ -150,6 +150,7 @@ def test_buckets_are_measured_apart():
     drive(ctrl, 2, 40, on_tok_s=400, off_tok_s=100)
     drive(ctrl, 48, 40, on_tok_s=400, off_tok_s=900)
     assert ctrl.figures(3)[0] == pytest.approx(400)  # 2 and 3 share a bucket
+    assert ctrl.measured_table() == {"2-3": [400.0, 100.0], "32-63": [400.0, 900.0]}
     assert not ctrl.enabled
     drive(ctrl, 2, 10, on_tok_s=400, off_tok_s=100)
     assert ctrl.enabled

@@ -155,6 +155,16 @@ class SpecController:
         bucket = self.buckets.get(bucket_of(batch_size))
         return (0.0, 0.0) if bucket is None else (bucket.on.tok_s, bucket.off.tok_s)
 
+    def measured_table(self) -> dict[str, list[float]]:
+        """Every bucket's figures: "lo-hi" batch sizes -> [on, off] tokens/s (0 = none)."""
+        table = {}
+        for k, bucket in sorted(self.buckets.items()):
+            if bucket.on.samples or bucket.off.samples:
+                lo, hi = (1 << (k - 1)), (1 << k) - 1
+                label = str(lo) if lo == hi else f"{lo}-{hi}"
+                table[label] = [round(bucket.on.tok_s, 1), round(bucket.off.tok_s, 1)]
+        return table
+
     def _measured(self, batch_size: int) -> bool:
         bucket = self.buckets.get(bucket_of(batch_size))
         return (self.measure and bucket is not None and bucket.on.trusted
