@@ -39,6 +39,7 @@ class StagePlan:
     width: int
     new_slots: torch.Tensor
     new_positions: torch.Tensor
+    rows: torch.Tensor  # arange(G): the copy's sequence index of each new token
 
 
 class DecodeStage:
@@ -71,7 +72,7 @@ class DecodeStage:
             self.num_appends += 1
         self._tables, self._lens = [list(t) for t in tables], list(lens)
         positions = torch.tensor(lens, dtype=torch.int64) - 1
-        return StagePlan(self, refresh, width, new_slots, positions)
+        return StagePlan(self, refresh, width, new_slots, positions, torch.arange(len(lens)))
 
     def _continues(self, tables: list[list[int]], lens: list[int]) -> bool:
         if not self._lens or len(lens) != len(self._lens):
@@ -101,5 +102,5 @@ class DecodeStage:
         else:
             new = kv_cache_layer.view(2, -1, num_kv_heads, head_dim)[:, plan.new_slots]
             # buf[:, g, :, pos[g]] has shape [G, 2, kvh, d]: advanced indices lead.
-            buf[:, torch.arange(g), :, plan.new_positions] = new.transpose(0, 1)
+            buf[:, plan.rows, :, plan.new_positions] = new.transpose(0, 1)
         return buf[0, :, :, : plan.width], buf[1, :, :, : plan.width]

@@ -98,3 +98,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 linear whose weight oneDNN lays out once, at load, for its own GEMM
+    kernels (CPU). Same arithmetic as `nn.Linear` (bit-identical in the tests), without the
+    per-call re-layout of the weight that dominates a small-batch bf16 GEMM (about 20% of
+    a batch-1 decode step of the fixture)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1))
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none",
+                                                  [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` (where oneDNN
+    is built in); returns how many were replaced."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
+                    and child.weight.device.type == "cpu"):
+                setattr(module, name, PackedLinear(child))
+                count += 1
+    return count

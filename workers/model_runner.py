@@ -19,7 +19,7 @@ from specd.workers.config import EngineConfig
 from specd.workers.decode_stage import DecodeStage
 from specd.workers.host_copy import HostCopy, upload
 from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
-from specd.workers.layers import LinearFactory, dense_linear
+from specd.workers.layers import LinearFactory, dense_linear, pack_linears_for_cpu
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
 from specd.workers.sequence import Sequence as Seq
@@ -132,6 +132,9 @@ class ModelRunner:
         if make_linear is None:
             make_linear = _linear_factory(self.model_config)
         self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
+        # bf16 on the CPU: oneDNN's weight layout once, not per call (layers.PackedLinear).
+        self.num_packed_linears = (pack_linears_for_cpu(self.model)
+                                   if self.device.type == "cpu" else 0)
         self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks,
                                            config.block_size, self.dtype, self.device)

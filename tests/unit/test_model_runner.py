@@ -173,3 +173,19 @@ def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
     cfg: ModelConfig = Stored()  # type: ignore[assignment]
     assert resolve_dtype(EngineConfig(device=device), cfg) == expected
     assert resolve_dtype(EngineConfig(device=device, dtype="float16"), cfg) == "float16"
+
+
+def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) -> None:
+    from specd.workers.layers import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for shape in ((1, 48), (7, 48), (2, 3, 48)):
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        torch.testing.assert_close(packed(x), linear(x), atol=0, rtol=0)
+    # A bf16 runner on the CPU packs every dense linear; a float32 one keeps nn.Linear.
+    assert make_runner(model_dir, dtype="bfloat16").num_packed_linears == 2 * 4 + 1
+    assert make_runner(model_dir).num_packed_linears == 0
