@@ -7,9 +7,12 @@ prompts from it. The output is a standard Hugging Face model directory that tran
 `AutoModelForCausalLM` and `AutoTokenizer` load as they are, plus `train_log.jsonl` (the
 loss curve) and `heldout_files.txt`.
 
-    python tools/train_fixture.py --out workers/fixture --tokens 4500000
+    python tools/train_fixture.py --out workers/fixture
 
-Deterministic given `--seed` (and the same stdlib and torch build).
+The committed fixture is this command's output with the defaults (5M tokens, batch 16 x 256,
+2 threads: 49 minutes on the 2-core VM, held-out loss 3.80 nats/token). Deterministic given
+`--seed` (and the same stdlib and torch build). Retrain the EAGLE-3 head after it
+(`tools/train_eagle3.py`): the head reads this model's hidden states.
 """
 
 from __future__ import annotations
@@ -231,9 +234,9 @@ def train(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="workers/fixture", help="output model directory")
-    p.add_argument("--tokens", type=int, default=4_000_000, help="training tokens in all")
+    p.add_argument("--tokens", type=int, default=5_000_000, help="training tokens in all")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=50)
