@@ -29,7 +29,7 @@ POINT_KEYS = {"mode", "concurrency", "request_rate", "num_requests", "num_errors
               "e2e_ms", "acceptance_length", "acceptance_lengths", "num_drafted",
               "num_accepted", "spec_share", "spec_share_source", "mean_batch", "max_kv_use"}
 BASELINE_KEYS = {"library", "model", "batch_size", "num_prompts", "max_new_tokens",
-                 "num_output_tokens", "wall_s", "tokens_per_s", "torch_threads",
+                 "num_output_tokens", "wall_s", "tokens_per_s", "torch_threads", "dtype",
                  "assisted_generation"}
 
 
