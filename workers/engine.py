@@ -210,13 +210,12 @@ class EngineCore:
                          extra=event.as_dict())
             self.spec.propose(updated)
             step_s = self._step_time(t0)
-            # A steady decode step in the mode the controller kept is a fair sample of that
-            # mode (prefill chunks and the step that switched belong to neither).
-            speculated = any(s.num_drafts for s in batch.scheduled)
-            steady = all(s.needs_sample and s.num_new_tokens == 1 + s.num_drafts
-                         for s in batch.scheduled)
-            if steady and event is None and speculated == was_enabled and step_s > 0:
-                controller.record(len(batch.scheduled), speculated, step_s,
+            # Every step is a sample of the mode it ran under (its prefill chunks and
+            # draft catch-ups included); the step that switched belongs to neither.
+            # Keyed like the decision: by the running requests (a closed loop of N clients
+            # runs fewer at once with speculation on, as each finishes sooner).
+            if event is None and step_s > 0 and self.scheduler.num_running:
+                controller.record(self.scheduler.num_running, was_enabled, step_s,
                                   sum(len(t) for t in output.sampled.values()))
         else:
             self._step_time(t0)

@@ -6,8 +6,8 @@ on again only when it has shrunk to `resume_at` or below (default: three quarter
 threshold), so a batch hovering around the threshold does not flap.
 
 With `measure=True` (the engine's default) "auto" also learns what each mode yields on
-this machine and this workload: the engine reports every steady decode step (`record`: batch
-size, whether it speculated, its wall time and the tokens it emitted) and the controller
+this machine and this workload: the engine reports every step (`record`: batch size, whether
+speculation was on for it, its wall time and the tokens it emitted) and the controller
 keeps, per batch-size bucket (powers of two), an average of output tokens per second for
 each mode. Once both modes have been measured in a bucket, the faster one is used there
 (switching only when the other is faster by `margin`, so that noise does not flap it);
@@ -54,15 +54,23 @@ class SpecEvent:
 
 @dataclass
 class Throughput:
-    """A running average of output tokens per second in one mode and bucket."""
+    """Output tokens per second in one mode and bucket: running averages of the tokens and
+    of the seconds of its steps, so that a long step (a prefill, a draft catch-up) weighs
+    by its duration, as it does in the wall-clock throughput a client sees."""
 
-    tok_s: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
     samples: int = 0
 
-    def add(self, tok_s: float) -> None:
-        self.tok_s = tok_s if self.samples == 0 else (
-            (1 - EWMA_WEIGHT) * self.tok_s + EWMA_WEIGHT * tok_s)
+    def add(self, num_tokens: int, step_s: float) -> None:
+        w = 1.0 if self.samples == 0 else EWMA_WEIGHT
+        self.tokens = (1 - w) * self.tokens + w * num_tokens
+        self.seconds = (1 - w) * self.seconds + w * step_s
         self.samples += 1
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def trusted(self) -> bool:
@@ -142,13 +150,14 @@ class SpecController:
 
     def record(self, batch_size: int, speculated: bool, step_s: float, num_tokens: int
                ) -> None:
-        """One steady decode step's figures (the engine leaves out steps with prefill and
-        the step right after a transition, whose cost belongs to neither mode)."""
+        """One step's figures, under the mode it ran in (`speculated`: speculation was on
+        for it). Every step counts, prefill chunks and draft catch-ups included: they are
+        part of what each mode costs; the engine leaves out only the step that switched."""
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
         bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
-        (bucket.on if speculated else bucket.off).add(num_tokens / step_s)
+        (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
 
     def figures(self, batch_size: int) -> tuple[float, float]:
         """(on, off) measured output tokens/s in batch_size's bucket (0 = not measured)."""
