@@ -113,7 +113,10 @@ def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[i
 def test_overlap_under_preemption(whole_step: dict[str, list[int]]) -> None:
     # 10 blocks of 16 tokens cannot hold these requests at once: some are preempted, some
     # while a step that samples for them is still in flight.
-    for options in ({"speculative_algorithm": None}, {"spec_mode": "auto"}):
+    # (Measured auto is left out here: its timing-driven choices change the step count,
+    # and with it whether this small cache overflows at all.)
+    for options in ({"speculative_algorithm": None}, {"spec_mode": "on"},
+                    {"spec_mode": "auto", "spec_auto_measure": False}):
         got, core = run(True, num_kv_blocks=10, **options)
         assert core.scheduler.num_preemptions > 0
         assert_same(got, whole_step)
