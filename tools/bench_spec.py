@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ("off", "on", "auto"):
             core = EngineCore(EngineConfig(spec_mode=mode, max_num_seqs=max(conc, 1),
                                            **SHAPES["chain5"]))
+            core.warmup()  # first-call costs (allocations, oneDNN set-up) out of the timing
             n, secs = run(core, work, args.throughput_tokens, conc)
             row[mode] = n / secs
         result["throughput"][str(conc)] = row

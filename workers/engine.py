@@ -210,12 +210,15 @@ class EngineCore:
                          extra=event.as_dict())
             self.spec.propose(updated)
             step_s = self._step_time(t0)
-            # Every step is a sample of the mode it ran under (its prefill chunks and
-            # draft catch-ups included); the step that switched belongs to neither.
-            # Keyed like the decision: by the running requests (a closed loop of N clients
-            # runs fewer at once with speculation on, as each finishes sooner).
-            if event is None and step_s > 0 and self.scheduler.num_running:
-                controller.record(self.scheduler.num_running, was_enabled, step_s,
+            # A decode-only step in the mode the controller kept is a sample of that mode.
+            # Steps with prefill are left out: a short exploration burst of one mode would
+            # rarely contain one, so counting them would bias the comparison against the
+            # mode that ran longest; the step that switched belongs to neither.
+            speculated = any(s.num_drafts for s in batch.scheduled)
+            steady = all(s.needs_sample and s.num_new_tokens == 1 + s.num_drafts
+                         for s in batch.scheduled)
+            if steady and event is None and speculated == was_enabled and step_s > 0:
+                controller.record(len(batch.scheduled), speculated, step_s,
                                   sum(len(t) for t in output.sampled.values()))
         else:
             self._step_time(t0)
@@ -280,6 +283,8 @@ class EngineCore:
             self.add_request(f"__warmup{i}", ids, params)
         while self.has_unfinished():
             self.step()
+        if self.spec is not None:
+            self.spec.controller.forget_measurements()  # warm-up steps are not the workload
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager

@@ -6,8 +6,8 @@ on again only when it has shrunk to `resume_at` or below (default: three quarter
 threshold), so a batch hovering around the threshold does not flap.
 
 With `measure=True` (the engine's default) "auto" also learns what each mode yields on
-this machine and this workload: the engine reports every step (`record`: batch size, whether
-speculation was on for it, its wall time and the tokens it emitted) and the controller
+this machine and this workload: the engine reports every decode step (`record`: batch size,
+whether it speculated, its wall time and the tokens it emitted) and the controller
 keeps, per batch-size bucket (powers of two), an average of output tokens per second for
 each mode. Once both modes have been measured in a bucket, the faster one is used there
 (switching only when the other is faster by `margin`, so that noise does not flap it);
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
 EWMA_WEIGHT = 0.1  # of the newest step in a bucket's average (about 20 steps remembered)
-MIN_SAMPLES = 3  # steps measured in a mode before its figure is trusted
+MIN_SAMPLES = 8  # steps measured in a mode before its figure is trusted
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,17 @@ class SpecEvent:
 @dataclass
 class Throughput:
     """Output tokens per second in one mode and bucket: running averages of the tokens and
-    of the seconds of its steps, so that a long step (a prefill, a draft catch-up) weighs
-    by its duration, as it does in the wall-clock throughput a client sees."""
+    of the seconds of its steps, so that a long step weighs by its duration, as it does in
+    the wall-clock throughput a client sees."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
 
     def add(self, num_tokens: int, step_s: float) -> None:
-        w = 1.0 if self.samples == 0 else EWMA_WEIGHT
+        # A plain mean until the average spans its window, so that the first step (often
+        # a prefill) does not weigh more than any other.
+        w = max(EWMA_WEIGHT, 1.0 / (self.samples + 1))
         self.tokens = (1 - w) * self.tokens + w * num_tokens
         self.seconds = (1 - w) * self.seconds + w * step_s
         self.samples += 1
@@ -109,7 +111,7 @@ class SpecController:
     """
 
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
-                 measure: bool = False, explore_every: int = 256, explore_steps: int = 4,
+                 measure: bool = False, explore_every: int = 256, explore_steps: int = 8,
                  margin: float = 0.02) -> None:
         _check(mode, threshold, resume_at)
         if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
@@ -150,14 +152,18 @@ class SpecController:
 
     def record(self, batch_size: int, speculated: bool, step_s: float, num_tokens: int
                ) -> None:
-        """One step's figures, under the mode it ran in (`speculated`: speculation was on
-        for it). Every step counts, prefill chunks and draft catch-ups included: they are
-        part of what each mode costs; the engine leaves out only the step that switched."""
+        """One decode step's figures (`speculated`: it verified drafts). The engine leaves
+        out steps with prefill and the step that switched (see EngineCore._finish)."""
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
         bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
         (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
+
+    def forget_measurements(self) -> None:
+        """Drop every bucket's figures (after warm-up, whose steps are not the workload)."""
+        self.buckets = {}
+        self.exploring = 0
 
     def figures(self, batch_size: int) -> tuple[float, float]:
         """(on, off) measured output tokens/s in batch_size's bucket (0 = not measured)."""
