@@ -44,7 +44,9 @@ def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore
     core = EngineCore(EngineConfig(max_num_batched_tokens=64, overlap_schedule=overlap,
                                    **options))
     if explore_every is not None and core.spec is not None:
-        core.spec.controller.explore_every = explore_every
+        controller = core.spec.controller
+        controller.explore_every, controller.explore_steps, controller.min_samples = (
+            explore_every, 2, 2)
     out: dict[str, list[int]] = {}
     pending = list(ARRIVALS)
     step = 0

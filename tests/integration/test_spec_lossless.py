@@ -95,7 +95,9 @@ def test_measured_auto_exploring_both_modes_stays_lossless() -> None:
     expected = _run(_core(speculative_algorithm=None), sampling=long)
     core = _core(spec_mode="auto", spec_disable_batch_threshold=2)
     assert core.spec is not None
-    core.spec.controller.explore_every = 3  # flip often: every switch is a chance to lose
+    # Flip often (every switch is a chance to lose): short explorations, quick trust.
+    controller = core.spec.controller
+    controller.explore_every, controller.explore_steps, controller.min_samples = 3, 2, 2
     assert _run(core, sampling=long) == expected
     controller = core.spec.controller
     assert controller.num_transitions >= 3

@@ -74,9 +74,8 @@ class Throughput:
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    @property
-    def trusted(self) -> bool:
-        return self.samples >= MIN_SAMPLES
+    def trusted(self, min_samples: int) -> bool:
+        return self.samples >= min_samples
 
 
 @dataclass
@@ -107,12 +106,13 @@ class SpecController:
     resume_at: in auto, it turns back on when the batch size is at most this (1..threshold;
     None = `default_resume_at(threshold)`).
     measure: in auto, decide from measured throughput where both modes have figures (see
-    the module docstring); explore_every, explore_steps, margin tune that.
+    the module docstring); explore_every, explore_steps, margin and min_samples (steps
+    before a figure is trusted) tune that.
     """
 
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
                  measure: bool = False, explore_every: int = 256, explore_steps: int = 8,
-                 margin: float = 0.02) -> None:
+                 margin: float = 0.02, min_samples: int = MIN_SAMPLES) -> None:
         _check(mode, threshold, resume_at)
         if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
             raise ValueError(f"need explore_every >= 1, explore_steps >= 1, 0 <= margin < 1; "
@@ -124,6 +124,7 @@ class SpecController:
         self.explore_every = explore_every
         self.explore_steps = explore_steps
         self.margin = margin
+        self.min_samples = min_samples
         self.enabled = mode != "off"
         self.num_steps = 0
         self.num_steps_on = 0
@@ -182,8 +183,8 @@ class SpecController:
 
     def _measured(self, batch_size: int) -> bool:
         bucket = self.buckets.get(bucket_of(batch_size))
-        return (self.measure and bucket is not None and bucket.on.trusted
-                and bucket.off.trusted)
+        return (self.measure and bucket is not None and bucket.on.trusted(self.min_samples)
+                and bucket.off.trusted(self.min_samples))
 
     def _decide_measured(self, batch_size: int) -> SpecEvent | None:
         """Exploration first (finish a running one, start a due one), then the faster mode
@@ -199,12 +200,12 @@ class SpecController:
         current = bucket.on if self.enabled else bucket.off
         other = bucket.off if self.enabled else bucket.on
         bucket.steps_since_explore += 1
-        if current.trusted and (not other.trusted
+        if current.trusted(self.min_samples) and (not other.trusted(self.min_samples)
                                 or bucket.steps_since_explore >= self.explore_every):
             bucket.steps_since_explore = 0
             self.exploring = self.explore_steps + 1  # the first step after a switch is skipped
             return self._switch(not self.enabled, "explore")
-        if bucket.on.trusted and bucket.off.trusted:
+        if bucket.on.trusted(self.min_samples) and bucket.off.trusted(self.min_samples):
             want = self._preferred(bucket, batch_size, incumbent=self.enabled)
             if want != self.enabled:
                 return self._switch(want, "measured_faster")
@@ -213,7 +214,7 @@ class SpecController:
     def _preferred(self, bucket: Bucket, batch_size: int, incumbent: bool) -> bool:
         """The state the bucket's figures favour, keeping `incumbent` unless the other is
         faster by `margin`; the threshold rule's state where a mode is not measured yet."""
-        if not (bucket.on.trusted and bucket.off.trusted):
+        if not (bucket.on.trusted(self.min_samples) and bucket.off.trusted(self.min_samples)):
             return (batch_size <= self.threshold if incumbent
                     else batch_size <= self.resume_at)
         kept = bucket.on.tok_s if incumbent else bucket.off.tok_s
