@@ -106,6 +106,7 @@ class EngineCore:
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
         self._last_finish = 0.0
+        self._last_step_switched = False  # the controller switched after the last step
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
         self._num_steps = 0
@@ -217,7 +218,12 @@ class EngineCore:
             speculated = any(s.num_drafts for s in batch.scheduled)
             steady = all(s.needs_sample and s.num_new_tokens == 1 + s.num_drafts
                          for s in batch.scheduled)
-            if steady and event is None and speculated == was_enabled and step_s > 0:
+            # The first step in a new mode pays one-time costs (plain decode re-gathers the
+            # kept K/V of the whole batch): it is not a sample either.
+            first_in_mode = self._last_step_switched
+            self._last_step_switched = event is not None
+            if (steady and event is None and not first_in_mode and speculated == was_enabled
+                    and step_s > 0):
                 controller.record(len(batch.scheduled), speculated, step_s,
                                   sum(len(t) for t in output.sampled.values()))
         else:

@@ -111,7 +111,7 @@ class SpecController:
     """
 
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
-                 measure: bool = False, explore_every: int = 256, explore_steps: int = 8,
+                 measure: bool = False, explore_every: int = 256, explore_steps: int = 10,
                  margin: float = 0.02, min_samples: int = MIN_SAMPLES) -> None:
         _check(mode, threshold, resume_at)
         if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
