@@ -9,11 +9,19 @@ reads the tensor at once, and the pipeline around it runs unchanged.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
 class HostCopy:
-    """A device tensor on its way to the host."""
+    """A device tensor on its way to the host.
+
+    `HostCopy.total_wait_s` adds up the seconds the host has spent blocked in `values()`
+    (process-wide; tools/bench_overlap.py reads it to split a step into host work and
+    waiting for the device)."""
+
+    total_wait_s = 0.0
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
@@ -32,7 +40,9 @@ class HostCopy:
     def values(self) -> list[int]:
         """The tensor's values (waits for the copy on CUDA)."""
         if self._event is not None:
+            started = time.perf_counter()
             self._event.synchronize()
+            HostCopy.total_wait_s += time.perf_counter() - started
         return [int(v) for v in self._host.tolist()]
 
 

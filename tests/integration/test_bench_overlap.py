@@ -1,0 +1,30 @@
+"""tools/bench_overlap.py runs on the CPU, writes every figure, and both pipelines agree."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def test_bench_overlap_writes_figures_and_both_pipelines_agree(tmp_path: Path) -> None:
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_overlap
+    finally:
+        sys.path.remove(str(TOOLS))
+    out = tmp_path / "overlap.json"
+    bench_overlap.main(["--device", "cpu", "--batch-sizes", "1,3", "--max-tokens", "6",
+                        "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 2  # modes x batch sizes x overlap off/on
+    for row in rows:
+        assert row["same_tokens"] is True
+        assert row["steps"] > 0 and row["tokens"] > 0 and row["step_ms"] > 0
+        assert 0.0 <= row["host_busy_share"] <= 1.0
+    plain = [r for r in rows if r["mode"] == "plain"]
+    # Every request gets 6 tokens; the first of each comes before timing starts.
+    assert {(r["batch"], r["tokens"]) for r in plain} == {(1, 5), (3, 15)}

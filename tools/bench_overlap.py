@@ -1,0 +1,110 @@
+"""Overlap-scheduling benchmark (issue 7): decode step time and tokens/s at batch 1, 8 and 32,
+plain decode and speculation (5-step chain), overlap off and on, and the share of the step
+the host is busy (not blocked waiting for the device's results).
+
+    python tools/bench_overlap.py --device cuda --out bench_out/bench_overlap.json
+
+On the CPU the "device" is the host: overlap cannot hide anything and the host is busy for
+the whole step; the run still checks that both pipelines produce the same tokens. CUDA
+graphs are not implemented yet: the table has no graph columns. Speculative steps run
+whole even with overlap on (they need the accepted tokens on the host: docs/overlap.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import load_prompts  # noqa: E402
+
+from specd.daemon.tokenizer import Tokenizer  # noqa: E402
+from specd.ipc.sampling import SamplingParams  # noqa: E402
+from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
+from specd.workers.engine import EngineCore  # noqa: E402
+from specd.workers.host_copy import HostCopy  # noqa: E402
+
+MODES: dict[str, dict[str, Any]] = {"plain": {"speculative_algorithm": None},
+                                   "spec chain5": {"spec_mode": "on", "spec_topk": 1,
+                                                   "spec_num_steps": 5}}
+
+
+def measure(options: dict[str, Any], overlap: bool, batch: int, prompts: list[list[int]],
+            max_tokens: int, device: str) -> dict[str, Any]:
+    """Decode phase only: timing starts once every request has its first token."""
+    core = EngineCore(EngineConfig(device=device, overlap_schedule=overlap,
+                                   max_num_seqs=max(batch, 1), **options))
+    core.warmup()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for i in range(batch):
+        core.add_request(f"r{i}", prompts[i % len(prompts)], params)
+        tokens[f"r{i}"] = []
+
+    def step() -> int:
+        emitted = 0
+        for delta in core.step():
+            tokens[delta.request_id] += delta.new_token_ids
+            emitted += len(delta.new_token_ids)
+        return emitted
+
+    while core.has_unfinished() and not all(tokens.values()):
+        step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    waited, started, steps, emitted = HostCopy.total_wait_s, time.perf_counter(), 0, 0
+    while core.has_unfinished():
+        emitted += step()
+        steps += 1
+    wall = time.perf_counter() - started
+    wait = HostCopy.total_wait_s - waited
+    return {"batch": batch, "overlap": overlap, "steps": steps, "tokens": emitted,
+            "wall_s": wall, "step_ms": 1e3 * wall / max(steps, 1),
+            "tokens_per_s": emitted / wall if wall > 0 else 0.0,
+            "host_busy_share": 1.0 - wait / wall if wall > 0 else 1.0,
+            "output": [tokens[k] for k in sorted(tokens)]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="bench_out/bench_overlap.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tok = Tokenizer.from_dir(FIXTURE_DIR)
+    prompts = [tok.encode(t) for t in load_prompts(32)]
+    rows: list[dict[str, Any]] = []
+    print(f"{'mode':<12}{'batch':>6}{'overlap':>8}{'step ms':>9}{'tok/s':>9}{'host busy':>10}"
+          f"{'same tokens':>12}")
+    for name, options in MODES.items():
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            whole = measure(options, False, batch, prompts, args.max_tokens, args.device)
+            lagged = measure(options, True, batch, prompts, args.max_tokens, args.device)
+            same = whole["output"] == lagged["output"]
+            for r in (whole, lagged):
+                r.update(mode=name, same_tokens=same)
+                print(f"{name:<12}{batch:>6}{'on' if r['overlap'] else 'off':>8}"
+                      f"{r['step_ms']:>9.2f}{r['tokens_per_s']:>9.1f}"
+                      f"{r['host_busy_share']:>10.2f}{str(same):>12}")
+                rows.append({k: v for k, v in r.items() if k != "output"})
+    result = {"machine": {"platform": platform.platform(), "device": args.device,
+                          "torch_threads": torch.get_num_threads()},
+              "args": vars(args), "rows": rows, "cuda_graphs": "not implemented"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
