@@ -147,14 +147,19 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
     }
 
 
+def _points_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points mode by mode (off, on, auto), each by concurrency."""
+    order = ("off", "on", "auto")
+    return sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"]))
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The terminal table: one row per point, then the targets."""
     head = (f"{'mode':<5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'req/s':>6} "
             f"{'ttft p50':>8} {'ttft p99':>8} {'tpot p50':>8} {'itl p50':>8} {'itl p90':>8} "
             f"{'itl p99':>8} {'acc len':>7} {'spec':>5} {'batch':>5}")
     lines = [head, "-" * len(head)]
-    order = ("off", "on", "auto")
-    for p in sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"])):
+    for p in _points_in_order(report):
         lines.append(
             f"{p['mode']:<5} {p['concurrency']:>4} {p['num_requests']:>4} "
             f"{p['output_tokens_per_s']:>8.1f} {p['requests_per_s']:>6.2f} "
@@ -248,8 +253,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = ["| mode | concurrency | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 ms | "
              "ITL p50 / p90 / p99 ms | acceptance length | spec share |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    order = ("off", "on", "auto")
-    for p in sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"])):
+    for p in _points_in_order(report):
         lines.append(
             f"| {p['mode']} | {p['concurrency']} | {p['output_tokens_per_s']:.1f} | "
             f"{p['requests_per_s']:.2f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "

@@ -101,7 +101,7 @@ def build_attention_metadata(
     groups: tuple[QueryGroup, ...] = ()
     if device.type == "cpu":
         groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask,
-                               slot_mapping, block_tables if stage is not None else None, stage)
+                               slot_mapping, block_tables, stage)
     return AttentionMetadata(
         query_start_loc=upload(start_loc.to(torch.int32), device),
         seq_lens=upload(s_lens.to(torch.int32), device),
@@ -180,7 +180,7 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
 
 def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
                   start_loc: torch.Tensor, block_size: int, tree_mask: torch.Tensor | None,
-                  slot_mapping: torch.Tensor, block_tables: list[list[int]] | None,
+                  slot_mapping: torch.Tensor, block_tables: list[list[int]],
                   stage: DecodeStage | None) -> tuple[QueryGroup, ...]:
     members: dict[int, list[int]] = {}
     for b, t in enumerate(query_lens):
@@ -190,7 +190,7 @@ def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tens
     for t, seqs in members.items():
         group = _build_group(seqs, t, seq_lens, tables, start_loc, block_size, tree_mask,
                              num_rows)
-        if stage is not None and block_tables is not None and t == 1 and tree_mask is None:
+        if stage is not None and t == 1 and tree_mask is None:
             width = int(group.mask.shape[-1])
             plan = stage.plan([block_tables[b] for b in seqs], [seq_lens[b] for b in seqs],
                               width, slot_mapping[group.rows])

@@ -165,12 +165,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
-            if self.spec is None:
-                pending = self.runner.launch(batch)
-            else:
-                for request_id in batch.preempted_ids:
-                    self.spec.drop_pending(request_id)
-                pending = self.spec.launch_plain(batch)
+            pending = (self.runner.launch(batch) if self.spec is None
+                       else self.spec.launch_plain(batch))
             launched = _InFlight(batch, pending, t0)
         deltas = self._drain()
         self._in_flight = launched
@@ -188,12 +184,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        if self.spec is None:
-            output = self.runner.execute(batch)
-        else:
-            for request_id in batch.preempted_ids:
-                self.spec.drop_pending(request_id)
-            output = self.spec.execute(batch)
+        output = (self.runner.execute(batch) if self.spec is None
+                  else self.spec.execute(batch))
         return self._finish(batch, output, t0)
 
     def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float

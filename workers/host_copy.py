@@ -33,10 +33,6 @@ class HostCopy:
         else:
             self._host = tensor
 
-    def ready(self) -> bool:
-        """Whether `values` would return without waiting."""
-        return self._event is None or bool(self._event.query())
-
     def values(self) -> list[int]:
         """The tensor's values (waits for the copy on CUDA)."""
         if self._event is not None:

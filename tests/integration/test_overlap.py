@@ -7,14 +7,14 @@ tokens are the real code paths."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 import torch
+from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
 
 # (step at which it arrives, prompt index, max_tokens); request r3 is aborted once it has
@@ -24,16 +24,7 @@ ARRIVALS = [(0, 0, 24), (0, 1, 8), (1, 2, 30), (3, 3, 40), (5, 4, 12), (9, 5, 20
 ABORTED, ABORT_AFTER = "r3", 9
 
 
-def _prompts() -> list[list[int]]:
-    from specd.daemon.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(FIXTURE_DIR)
-    lines = (FIXTURE_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [tok.encode(json.loads(line)["prompt"])[: 5 + 11 * i]
-            for i, line in enumerate(lines[:7])]
-
-
-PROMPTS = _prompts()
+PROMPTS = heldout_prompt_ids(7, 5, 11)
 
 
 def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore]:

@@ -7,16 +7,16 @@ All on the embedded fixture model with its committed EAGLE-3 head.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
 
 # (arrival step, prompt index, max_tokens): requests join while others run and leave at
@@ -24,17 +24,7 @@ from specd.workers.engine import EngineCore
 ARRIVALS = [(0, 0, 20), (0, 1, 8), (2, 2, 16), (3, 3, 12), (6, 4, 10), (9, 5, 14)]
 
 
-def _prompts() -> list[list[int]]:
-    from specd.daemon.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(FIXTURE_DIR)
-    lines = (FIXTURE_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    # Mixed lengths: cut the held-out prompts to 7..70 tokens.
-    return [tok.encode(json.loads(line)["prompt"])[: 7 + 13 * i]
-            for i, line in enumerate(lines[:6])]
-
-
-PROMPTS = _prompts()
+PROMPTS = heldout_prompt_ids(6, 7, 13)  # mixed lengths: 7..72 tokens
 
 
 def _run(core: EngineCore, hook: Callable[[EngineCore, int], None] | None = None,

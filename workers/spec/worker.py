@@ -136,7 +136,8 @@ class SpeculativeWorker:
         items = list(batch.scheduled)
         spec = [s for s in items if s.seq.spec_token_ids]
         if not spec:
-            return self._execute_plain(items, batch)
+            return self.launch_plain(batch).resolve()
+        self._drop_preempted(batch)
         plain = [s for s in items if not s.seq.spec_token_ids]
         needs_tree_mask = any(self._is_tree(s) for s in spec)
         if needs_tree_mask and any(s.num_new_tokens > 64 for s in plain):
@@ -158,14 +159,11 @@ class SpeculativeWorker:
             self.figures.verify_s += time.perf_counter() - t0
         return ModelOutput(sampled=sampled, logprobs=logprobs)
 
-    def _execute_plain(self, items: list[ScheduledSequence], batch: ScheduledBatch
-                       ) -> ModelOutput:
-        return self.launch_plain(batch).resolve()
-
     @torch.inference_mode()
     def launch_plain(self, batch: ScheduledBatch) -> PendingOutput:
         """A step without drafts: the runner's own (launched, results still on the device);
         only the aux rows are kept (the whole cost of speculation while it is off)."""
+        self._drop_preempted(batch)
         pending = self.runner.launch(batch)
         if batch.is_empty:
             return pending
@@ -441,6 +439,11 @@ class SpeculativeWorker:
         """(drafted, accepted) so far for a request; (0, 0) if unknown."""
         state = self.states.get(request_id)
         return (0, 0) if state is None else (state.num_drafted, state.num_accepted)
+
+    def _drop_preempted(self, batch: ScheduledBatch) -> None:
+        """The batch's preempted requests lost their KV: drop their pending rows and tree."""
+        for request_id in batch.preempted_ids:
+            self.drop_pending(request_id)
 
     def drop_pending(self, request_id: str) -> None:
         """A preempted request: its KV is gone, so are its pending rows and tree (its
