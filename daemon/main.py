@@ -61,6 +61,9 @@ ENGINE_HELP = {
                          "use the faster (re-measured every 256 steps).",
     "overlap_schedule": "schedule the next step while the device runs this one (default: "
                         "on for cuda, off for cpu).",
+    "cuda_graphs": "replay captured forwards for plain decode and verification at a ladder "
+                   "of batch sizes (default: on for cuda, off for cpu; on cpu a synchronous "
+                   "stand-in for tests).",
     "extra": "KEY=VALUE engine option for experiments (repeatable).",
 }
 DAEMON_HELP = {

@@ -1,13 +1,15 @@
-"""Overlap-scheduling benchmark (issue 7): decode step time and tokens/s at batch 1, 8 and 32,
-plain decode and speculation (5-step chain), overlap off and on, and the share of the step
-the host is busy (not blocked waiting for the device's results).
+"""Overlap and CUDA-graph benchmark (issue 7): decode step time and tokens/s at batch 1, 8
+and 32, plain decode and speculation (5-step chain), with overlap scheduling and CUDA
+graphs each off and on, and the share of the step the host is busy (not blocked waiting
+for the device's results).
 
     python tools/bench_overlap.py --device cuda --out bench_out/bench_overlap.json
 
-On the CPU the "device" is the host: overlap cannot hide anything and the host is busy for
-the whole step; the run still checks that both pipelines produce the same tokens. CUDA
-graphs are not implemented yet: the table has no graph columns. Speculative steps run
-whole even with overlap on (they need the accepted tokens on the host: docs/overlap.md).
+On the CPU the "device" is the host: overlap cannot hide anything, the host is busy for
+the whole step, and graphs run as a synchronous stand-in (slower: it re-plans attention
+from the static buffers); the run still checks that every pipeline produces the first
+one's tokens. Speculative steps run whole even with overlap on (they need the accepted
+tokens on the host: docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ MODES: dict[str, dict[str, Any]] = {"plain": {"speculative_algorithm": None},
                                                    "spec_num_steps": 5}}
 
 
-def measure(options: dict[str, Any], overlap: bool, batch: int, prompts: list[list[int]],
-            max_tokens: int, device: str) -> dict[str, Any]:
+# (overlap scheduling, CUDA graphs); the first is the reference for "same tokens".
+PIPELINES = ((False, False), (True, False), (False, True), (True, True))
+
+
+def measure(options: dict[str, Any], overlap: bool, graphs: bool, batch: int,
+            prompts: list[list[int]], max_tokens: int, device: str,
+            dtype: str) -> dict[str, Any]:
     """Decode phase only: timing starts once every request has its first token."""
-    core = EngineCore(EngineConfig(device=device, overlap_schedule=overlap,
-                                   max_num_seqs=max(batch, 1), **options))
+    core = EngineCore(EngineConfig(device=device, dtype=dtype, overlap_schedule=overlap,
+                                   cuda_graphs=graphs, max_num_seqs=max(batch, 1),
+                                   **options))
     core.warmup()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
@@ -65,7 +73,10 @@ def measure(options: dict[str, Any], overlap: bool, batch: int, prompts: list[li
         steps += 1
     wall = time.perf_counter() - started
     wait = HostCopy.total_wait_s - waited
-    return {"batch": batch, "overlap": overlap, "steps": steps, "tokens": emitted,
+    replays = 0 if core.runner.graphs is None else core.runner.graphs.num_replays
+    return {"batch": batch, "overlap": overlap, "graphs": graphs,
+            "graphs_status": core.resolved.graphs, "graph_replays": replays,
+            "steps": steps, "tokens": emitted,
             "wall_s": wall, "step_ms": 1e3 * wall / max(steps, 1),
             "tokens_per_s": emitted / wall if wall > 0 else 0.0,
             "host_busy_share": 1.0 - wait / wall if wall > 0 else 1.0,
@@ -78,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--pipelines", default="off/off,on/off,off/on,on/on",
+                   help="overlap/graphs pairs to run; the first is the token reference")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="bench_out/bench_overlap.json")
     args = p.parse_args(argv)
@@ -85,22 +99,26 @@ def main(argv: list[str] | None = None) -> None:
     tok = Tokenizer.from_dir(FIXTURE_DIR)
     prompts = [tok.encode(t) for t in load_prompts(32)]
     rows: list[dict[str, Any]] = []
-    print(f"{'mode':<12}{'batch':>6}{'overlap':>8}{'step ms':>9}{'tok/s':>9}{'host busy':>10}"
-          f"{'same tokens':>12}")
+    pipelines = [tuple(part == "on" for part in pair.split("/"))
+                 for pair in args.pipelines.split(",")]
+    print(f"{'mode':<12}{'batch':>6}{'overlap':>8}{'graphs':>7}{'step ms':>9}{'tok/s':>9}"
+          f"{'host busy':>10}{'same tokens':>12}")
     for name, options in MODES.items():
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            whole = measure(options, False, batch, prompts, args.max_tokens, args.device)
-            lagged = measure(options, True, batch, prompts, args.max_tokens, args.device)
-            same = whole["output"] == lagged["output"]
-            for r in (whole, lagged):
-                r.update(mode=name, same_tokens=same)
-                print(f"{name:<12}{batch:>6}{'on' if r['overlap'] else 'off':>8}"
-                      f"{r['step_ms']:>9.2f}{r['tokens_per_s']:>9.1f}"
-                      f"{r['host_busy_share']:>10.2f}{str(same):>12}")
+            reference: list[list[int]] | None = None
+            for overlap, graphs in pipelines:
+                r = measure(options, overlap, graphs, batch, prompts, args.max_tokens,
+                            args.device, args.dtype)
+                reference = r["output"] if reference is None else reference
+                r.update(mode=name, same_tokens=r["output"] == reference)
+                print(f"{name:<12}{batch:>6}{'on' if overlap else 'off':>8}"
+                      f"{'on' if graphs else 'off':>7}{r['step_ms']:>9.2f}"
+                      f"{r['tokens_per_s']:>9.1f}{r['host_busy_share']:>10.2f}"
+                      f"{str(r['same_tokens']):>12}")
                 rows.append({k: v for k, v in r.items() if k != "output"})
     result = {"machine": {"platform": platform.platform(), "device": args.device,
                           "torch_threads": torch.get_num_threads()},
-              "args": vars(args), "rows": rows, "cuda_graphs": "not implemented"}
+              "args": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -54,7 +54,8 @@ class AttentionMetadata:
 
     query_start_loc int32 [B + 1]; seq_lens int32 [B]; block_tables int32 [B, max_blocks];
     slot_mapping int64 [N]; tree_mask int64 [N] or None. `groups` drives the CPU path and is
-    empty when the metadata is built for CUDA.
+    empty when the metadata is built for CUDA. num_seqs = B; uniform_query_len: host-side
+    figures so that choosing a captured graph reads no device tensor.
     """
 
     query_start_loc: torch.Tensor
@@ -66,6 +67,8 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     groups: tuple[QueryGroup, ...]
+    num_seqs: int
+    uniform_query_len: int | None  # T when every sequence has T rows (graph replay), else None
 
 
 def build_attention_metadata(
@@ -112,6 +115,8 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens),
         block_size=block_size,
         groups=groups,
+        num_seqs=num_seqs,
+        uniform_query_len=query_lens[0] if len(set(query_lens)) == 1 else None,
     )
 
 

@@ -55,6 +55,9 @@ class EngineConfig:
     # Schedule step N + 1 while step N runs (None: on for CUDA, off on the CPU, where the
     # device is the host and there is nothing to hide): engine.py, scheduler.py.
     overlap_schedule: bool | None = None
+    # Replay captured forwards for plain decode and verification (None: on for CUDA, off
+    # on the CPU, where True runs the synchronous stand-in): graphs.py.
+    cuda_graphs: bool | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +111,11 @@ class EngineConfig:
             return self.overlap_schedule
         return self.device.startswith("cuda")
 
+    @property
+    def graphs_enabled(self) -> bool:
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return self.device.startswith("cuda")
 
 
 @dataclass(frozen=True)
@@ -123,3 +131,5 @@ class EngineResolved:
     eos_token_ids: tuple[int, ...]
     speculative: bool
     overlap_schedule: bool = False
+    graphs: str = "off"  # what replays captured forwards, or why nothing does (graphs.py)
+    graph_memory_bytes: int = 0  # taken from the KV-cache budget

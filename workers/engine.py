@@ -20,7 +20,12 @@ from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.controller import SpecController
 from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
-from specd.workers.spec.worker import SpecFigures, SpeculativeWorker, read_draft_config
+from specd.workers.spec.worker import (
+    SpecFigures,
+    SpeculativeWorker,
+    read_draft_config,
+    verify_query_len,
+)
 
 log = logging.getLogger("specd.engine")
 
@@ -102,6 +107,9 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             speculative=self.spec is not None,
             overlap_schedule=config.overlap_enabled,
+            graphs="off" if self.runner.graphs is None else self.runner.graphs.status(),
+            graph_memory_bytes=(0 if self.runner.graphs is None
+                                else self.runner.graphs.memory_bytes),
         )
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
@@ -321,7 +329,8 @@ def _build_speculative(config: EngineConfig, model_config: ModelConfig
         return None
     draft_config = read_draft_config(path)
     aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
-    runner = ModelRunner(config, model_config, capture_layers=aux_layers)
+    runner = ModelRunner(config, model_config, capture_layers=aux_layers,
+                         verify_shape=(verify_query_len(config), config.spec_topk > 1))
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
                            device=runner.device)

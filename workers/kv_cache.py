@@ -19,15 +19,19 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
 
-def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """`config.num_kv_blocks` if set, else as many blocks as `kv_cache_memory_bytes` holds."""
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
+                  reserved_bytes: int = 0) -> int:
+    """`config.num_kv_blocks` if set, else as many blocks as `kv_cache_memory_bytes` holds
+    after `reserved_bytes` (captured graphs and their padding block, graphs.py)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     block_bytes = kv_block_bytes(cfg, config.block_size, dtype)
-    count = config.kv_cache_memory_bytes // block_bytes
+    count = (config.kv_cache_memory_bytes - reserved_bytes) // block_bytes
     if count < 1:
         raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV "
-                         f"block; one block of {config.block_size} tokens needs {block_bytes}")
+                         f"block; one block of {config.block_size} tokens needs {block_bytes}"
+                         + (f" after {reserved_bytes} bytes for captured graphs"
+                            if reserved_bytes else ""))
     return count
 
 

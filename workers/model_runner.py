@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.workers import sampler
-from specd.workers.attention import AttentionMetadata, build_attention_metadata
+from specd.workers.attention import MAX_TREE_TOKENS, AttentionMetadata, build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig
 from specd.workers.decode_stage import DecodeStage
+from specd.workers.graphs import GraphRunner, GraphShape, capture_sizes
 from specd.workers.host_copy import HostCopy, upload
-from specd.workers.kv_cache import allocate_kv_cache, num_kv_blocks
+from specd.workers.kv_cache import allocate_kv_cache, kv_block_bytes, num_kv_blocks
 from specd.workers.layers import LinearFactory, dense_linear, pack_linears_for_cpu
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
@@ -117,11 +118,16 @@ class ModelRunner:
     `last_aux_hidden` [N, len(capture_layers) * hidden] for the speculative drafter, beside
     `last_hidden` [N, hidden] (after the final norm) and `last_inputs` (the row layout).
     make_linear: how linear layers are built; None picks dense or INT4 from the checkpoint.
+    verify_shape: (query_len, tree_mask) of the speculative worker's verification, captured
+    beside plain decode when graphs are on (`config.graphs_enabled`; `graphs` is then the
+    GraphRunner, else None). Graphs get one KV block past `num_kv_blocks` (padding rows)
+    and their memory comes out of the KV-cache budget.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
                  capture_layers: Sequence[int] = (),
-                 make_linear: LinearFactory | None = None) -> None:
+                 make_linear: LinearFactory | None = None,
+                 verify_shape: tuple[int, bool] | None = None) -> None:
         self.config = config
         self.model_config = (ModelConfig.from_dir(config.model_path) if model_config is None
                              else model_config)
@@ -135,9 +141,26 @@ class ModelRunner:
         # bf16 on the CPU: oneDNN's weight layout once, not per call (layers.PackedLinear).
         self.num_packed_linears = (pack_linears_for_cpu(self.model)
                                    if self.device.type == "cpu" else 0)
-        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype)
-        self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks,
-                                           config.block_size, self.dtype, self.device)
+        shapes = _graph_shapes(config, verify_shape) if config.graphs_enabled else ()
+        self.graphs: GraphRunner | None = None
+        reserved = 0
+        if shapes and config.num_kv_blocks is None:
+            # Measure the graphs' memory before sizing the cache: capture the largest shapes
+            # over a scratch cache of two blocks (graph memory does not depend on its size).
+            trial = self._capture_graphs(_largest(shapes), self._allocate_kv(2), pad_block=1)
+            reserved = trial.memory_bytes + kv_block_bytes(self.model_config,
+                                                           config.block_size, self.dtype)
+            if trial.error is not None:
+                shapes, self.graphs = (), trial  # logged; status says why all is eager
+            del trial
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype, reserved)
+        # With graphs, one block more than the scheduler owns: the padding rows' (graphs.py).
+        self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
+        if shapes:
+            self.graphs = self._capture_graphs(shapes, self.kv_caches,
+                                               pad_block=self.num_kv_blocks)
         # Unseeded sampling rows share this generator, so a run is reproducible given
         # config.seed; a request with its own seed gets its own generator on first use.
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -149,7 +172,8 @@ class ModelRunner:
                                          device=self.device)
         self.num_placeholders_resolved = 0  # figures for tests
         # Plain decode on the CPU keeps its group's K/V between steps (decode_stage.py).
-        self.decode_stage = DecodeStage(config.block_size) if self.device.type == "cpu" else None
+        self.decode_stage = (DecodeStage(config.block_size)
+                             if self.device.type == "cpu" and self.graphs is None else None)
         self.last_inputs: StepInputs | None = None
         self.last_hidden: torch.Tensor | None = None
         self.last_aux_hidden: torch.Tensor | None = None
@@ -203,14 +227,42 @@ class ModelRunner:
         staged = any(g.stage_plan is not None for g in inputs.meta.groups)
         if not staged:
             self.invalidate_decode_stage()  # this forward writes K/V the copy would miss
+        shape = None if self.graphs is None else self.graphs.shape_for(inputs.meta)
         try:
-            hidden, aux = self.model(input_ids, inputs.positions, self.kv_caches,
-                                     inputs.meta, self.capture_layers)
+            if shape is not None and self.graphs is not None:
+                hidden, aux = self.graphs.run(shape, input_ids, inputs.positions, inputs.meta)
+            else:
+                hidden, aux = self.model(input_ids, inputs.positions, self.kv_caches,
+                                         inputs.meta, self.capture_layers)
+                if self.graphs is not None:
+                    self.graphs.num_eager += 1
         except BaseException:
             self.invalidate_decode_stage()  # some layers may have appended, others not
             raise
         self.last_inputs, self.last_hidden, self.last_aux_hidden = inputs, hidden, aux
         return hidden
+
+    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,
+                                 self.dtype, self.device)
+
+    def _capture_graphs(self, shapes: Sequence[GraphShape], kv_caches: list[torch.Tensor],
+                        pad_block: int) -> GraphRunner:
+        """Graphs of the model over `kv_caches` (captured, or empty with `error` set)."""
+        cfg, bs = self.config, self.config.block_size
+        # Longest KV a step can see: the longest sequence plus a draft tree past its end.
+        max_seq_len = min(cfg.max_model_len or self.model_config.max_model_len,
+                          self.model_config.max_model_len) + MAX_TREE_TOKENS
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return self.model(input_ids, positions, kv_caches, meta, self.capture_layers)
+
+        graphs = GraphRunner(forward, shapes, self.device, bs, pad_block,
+                             table_width=-(-max_seq_len // bs), max_seq_len=max_seq_len)
+        with torch.inference_mode():
+            graphs.capture()
+        return graphs
 
     def invalidate_decode_stage(self) -> None:
         """Drop the kept decode K/V: call after writing the KV cache outside `forward`."""
@@ -274,6 +326,20 @@ def _token_slice(seq: Seq, start: int, end: int) -> list[int]:
         raise ValueError(f"request {seq.request_id}: tokens [{start}, {end}) scheduled but it "
                          f"has only {offset}")
     return out
+
+
+def _graph_shapes(config: EngineConfig, verify_shape: tuple[int, bool] | None
+                  ) -> tuple[GraphShape, ...]:
+    """Plain decode, and verification if speculating, at every capture size."""
+    kinds = [(1, False)] + ([verify_shape] if verify_shape is not None else [])
+    return tuple(GraphShape(b, t, masked) for t, masked in kinds
+                 for b in capture_sizes(config.max_num_seqs))
+
+
+def _largest(shapes: Sequence[GraphShape]) -> tuple[GraphShape, ...]:
+    """The largest batch of each kind: what the graphs' shared memory pool must hold."""
+    kinds = {(s.query_len, s.tree_mask) for s in shapes}
+    return tuple(max(s for s in shapes if (s.query_len, s.tree_mask) == k) for k in kinds)
 
 
 def _linear_factory(cfg: ModelConfig) -> LinearFactory:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import specd
@@ -23,9 +25,10 @@ def test_token_ids_outside_the_vocabulary_are_refused(engine: specd.Engine) -> N
 
 
 def test_out_of_range_sampling_values_name_the_field() -> None:
-    for kwargs, field in [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                          ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-                          ({"min_p": 1.5}, "min_p")]:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"min_p": 1.5}, "min_p")]
+    for kwargs, field in cases:
         with pytest.raises(ValueError, match=field):
             specd.SamplingParams(**kwargs)
 

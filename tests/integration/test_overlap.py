@@ -10,76 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from heldout import heldout_prompt_ids
+from scenario import MODES, PROMPTS, assert_same, run
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
-
-# (step at which it arrives, prompt index, max_tokens); request r3 is aborted once it has
-# received ABORT_AFTER tokens.
-ARRIVALS = [(0, 0, 24), (0, 1, 8), (1, 2, 30), (3, 3, 40), (5, 4, 12), (9, 5, 20),
-            (9, 6, 16)]
-ABORTED, ABORT_AFTER = "r3", 9
-
-
-PROMPTS = heldout_prompt_ids(7, 5, 11)
-
-
-def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore]:
-    torch.set_num_threads(1)
-    explore_every = options.pop("_explore_every", None)
-    # float32, so that a batch of another shape cannot round a near-tie differently.
-    options.setdefault("dtype", "float32")
-    core = EngineCore(EngineConfig(max_num_batched_tokens=64, overlap_schedule=overlap,
-                                   **options))
-    if explore_every is not None and core.spec is not None:
-        controller = core.spec.controller
-        controller.explore_every, controller.explore_steps, controller.min_samples = (
-            explore_every, 2, 2)
-    out: dict[str, list[int]] = {}
-    pending = list(ARRIVALS)
-    step = 0
-    while pending or core.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, i, max_tokens = pending.pop(0)
-            core.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True))
-            out[f"r{i}"] = []
-        for delta in core.step():
-            out[delta.request_id] += delta.new_token_ids
-        if ABORTED in out and len(out[ABORTED]) >= ABORT_AFTER and core.abort_request(ABORTED):
-            pass
-        step += 1
-    return out, core
-
-
-MODES = {
-    "no-head": {"speculative_algorithm": None},
-    "spec-off": {"spec_mode": "off"},
-    "chain": {"spec_mode": "on", "spec_topk": 1, "spec_num_steps": 4},
-    "tree": {"spec_mode": "on", "spec_topk": 3, "spec_num_steps": 3,
-             "spec_num_draft_tokens": 8},
-    "auto-threshold": {"spec_mode": "auto", "spec_disable_batch_threshold": 2,
-                       "spec_auto_measure": False},
-}
 
 
 @pytest.fixture(scope="module")
 def whole_step() -> dict[str, list[int]]:
     out, _ = run(False, speculative_algorithm=None)
     return out
-
-
-def assert_same(got: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
-    assert got.keys() == expected.keys()
-    for request_id, tokens in expected.items():
-        if request_id == ABORTED:
-            # Aborted once ABORT_AFTER tokens had arrived: a prefix, cut at the same point.
-            assert got[request_id][:ABORT_AFTER] == tokens[:ABORT_AFTER]
-        else:
-            assert got[request_id] == tokens, request_id
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -144,3 +85,27 @@ def test_overlap_on_cuda_gives_the_whole_step_output(mode: str) -> None:
     assert_same(got, expected)
     if mode != "chain":
         assert core.runner.num_placeholders_resolved > 0
+
+
+def test_each_verify_waits_for_the_drafts_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Drafting runs on its own stream (a synchronous stand-in here): every verify must be
+    # ordered after a draft section issued since the previous verify, and only then run.
+    from specd.workers.spec.worker import SpeculativeWorker
+
+    order_at_verify: list[tuple[str, int]] = []
+    real = SpeculativeWorker._verify
+
+    def verify(self: SpeculativeWorker, *args: Any) -> None:
+        order_at_verify.append(self.streams.order[-1])
+        real(self, *args)
+
+    monkeypatch.setattr(SpeculativeWorker, "_verify", verify)
+    _, core = run(True, spec_mode="on", spec_topk=3, spec_num_steps=3,
+                  spec_num_draft_tokens=8)
+    assert core.spec is not None
+    assert len(order_at_verify) >= 10
+    # The last stream record before each verify is a wait for the latest draft section...
+    assert all(kind == "wait" for kind, _ in order_at_verify)
+    # ...and a new section was drafted for every verify (none reuses older drafts).
+    sections = [n for _, n in order_at_verify]
+    assert sections == sorted(set(sections))

@@ -170,7 +170,7 @@ def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
     class Stored:  # only the field resolve_dtype reads
         torch_dtype = stored
 
-    cfg: ModelConfig = Stored()  # type: ignore[assignment]
+    cfg: ModelConfig = Stored()
     assert resolve_dtype(EngineConfig(device=device), cfg) == expected
     assert resolve_dtype(EngineConfig(device=device, dtype="float16"), cfg) == "float16"
 

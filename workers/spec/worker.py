@@ -39,6 +39,7 @@ from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.accept import accept_tree
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_model import DraftConfig, DraftHead
+from specd.workers.spec.streams import DraftStreams
 from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
 
 
@@ -113,14 +114,12 @@ class SpeculativeWorker:
         self.block_size = config.block_size
         self.topk = config.spec_topk
         self.num_steps = config.spec_num_steps
-        # A chain verifies all its drafts; a tree keeps the best num_draft_tokens - 1 nodes.
-        num_cands = self.topk + (self.num_steps - 1) * self.topk * self.topk
-        self.num_draft_tokens = (self.num_steps + 1 if self.topk == 1
-                                 else min(config.spec_num_draft_tokens, num_cands + 1))
+        self.num_draft_tokens = verify_query_len(config)
         self.draft_kv = torch.zeros(
             2, runner.num_kv_blocks, config.block_size, cfg.num_key_value_heads, cfg.head_dim,
             dtype=next(head.parameters()).dtype, device=self.device)
         self.states: dict[str, _RequestState] = {}
+        self.streams = DraftStreams(self.device)  # drafting beside the main stream
         self.figures = SpecFigures(accepted_at_depth=[0] * self.num_steps,
                                    drafted_at_depth=[0] * self.num_steps)
 
@@ -139,6 +138,7 @@ class SpeculativeWorker:
             return self.launch_plain(batch).resolve()
         self._drop_preempted(batch)
         plain = [s for s in items if not s.seq.spec_token_ids]
+        self.streams.wait_for_drafts()  # the verify reads what the draft stream wrote
         needs_tree_mask = any(self._is_tree(s) for s in spec)
         if needs_tree_mask and any(s.num_new_tokens > 64 for s in plain):
             groups = [plain, spec]  # long prefill chunks cannot carry tree-mask bits
@@ -335,17 +335,20 @@ class SpeculativeWorker:
         if not todo:
             return
         t0 = time.perf_counter()
-        last_out = self._catch_up(todo)  # [B, H] draft output of each sequence's last pair
-        t1 = time.perf_counter()
-        self.figures.catch_up_s += t1 - t0
-        tree = self._draft(todo, last_out)
+        with self.streams.drafting():
+            last_out = self._catch_up(todo)  # [B, H] draft output of each sequence's last pair
+            t1 = time.perf_counter()
+            self.figures.catch_up_s += t1 - t0
+            tree = self._draft(todo, last_out)
+            # The host reads the tree (one copy per tensor): the scheduler needs token ids.
+            parents, depths = tree.parents.tolist(), tree.depths.tolist()
+            masks, drafts = tree.tree_mask.tolist(), tree.draft_token_ids.tolist()
         self.figures.draft_s += time.perf_counter() - t1
         for b, seq in enumerate(todo):
             state = self.states[seq.request_id]
-            state.tree_parents = tree.parents[b].tolist()
-            state.tree_depths = tree.depths[b].tolist()
-            state.tree_masks = tree.tree_mask[b].tolist()
-            seq.spec_token_ids = tree.draft_token_ids[b].tolist()
+            state.tree_parents, state.tree_depths = parents[b], depths[b]
+            state.tree_masks = masks[b]
+            seq.spec_token_ids = drafts[b]
 
     def _catch_up(self, seqs: list[Seq]) -> torch.Tensor:
         """Write the draft K/V of every pending pair (one paged draft forward); returns the
@@ -457,6 +460,14 @@ class SpeculativeWorker:
         """Forget a finished, aborted or preempted request's pending rows and tree."""
         self.states.pop(request_id, None)
         self.runner.release(request_id)
+
+
+def verify_query_len(config: EngineConfig) -> int:
+    """Rows one sequence verifies: the root and its drafts. A chain verifies all its
+    drafts; a tree keeps the best spec_num_draft_tokens - 1 nodes."""
+    topk, steps = config.spec_topk, config.spec_num_steps
+    num_cands = topk + (steps - 1) * topk * topk
+    return steps + 1 if topk == 1 else min(config.spec_num_draft_tokens, num_cands + 1)
 
 
 def read_draft_config(path: Path) -> DraftConfig:
