@@ -107,9 +107,11 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             speculative=self.spec is not None,
             overlap_schedule=config.overlap_enabled,
-            graphs="off" if self.runner.graphs is None else self.runner.graphs.status(),
-            graph_memory_bytes=(0 if self.runner.graphs is None
-                                else self.runner.graphs.memory_bytes),
+            graphs=_graphs_status(self.runner, self.spec),
+            graph_memory_bytes=(
+                (0 if self.runner.graphs is None else self.runner.graphs.memory_bytes)
+                + (0 if self.spec is None or self.spec.draft_graphs is None
+                   else self.spec.draft_graphs.memory_bytes)),
         )
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
@@ -329,14 +331,27 @@ def _build_speculative(config: EngineConfig, model_config: ModelConfig
         return None
     draft_config = read_draft_config(path)
     aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
+    # The head's K/V cache has the target's blocks: its bytes come from the same budget.
     runner = ModelRunner(config, model_config, capture_layers=aux_layers,
-                         verify_shape=(verify_query_len(config), config.spec_topk > 1))
+                         verify_shape=(verify_query_len(config), config.spec_topk > 1),
+                         extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
+                                                      * draft_config.head_dim))
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
                            device=runner.device)
     controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
                                 measure=config.spec_auto_measure)
     return SpeculativeWorker(config, runner, head, controller)
+
+
+def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
+    """The target's graphs and the draft loop's, for status ("off" without graphs)."""
+    if runner.graphs is None:
+        return "off"
+    parts = [runner.graphs.status()]
+    if spec is not None and spec.draft_graphs is not None:
+        parts.append(spec.draft_graphs.status())
+    return " | ".join(parts)
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:

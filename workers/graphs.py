@@ -34,6 +34,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 import torch
 
@@ -44,6 +45,8 @@ log = logging.getLogger("specd.graphs")
 BATCH_SIZE_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]  # hidden [N, H], aux [N, A] or None
+T = TypeVar("T")  # what a captured forward returns
+K = TypeVar("K")  # what identifies a graph (its shape)
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], Outputs]
 
 
@@ -72,22 +75,22 @@ def padded_size(sizes: Sequence[int], num_seqs: int) -> int | None:
     return min(fitting) if fitting else None
 
 
-class EagerGraph:
+class EagerGraph(Generic[T]):
     """The CPU stand-in for a captured graph: `replay` runs the forward again."""
 
-    def __init__(self, forward: Callable[[], Outputs]) -> None:
+    def __init__(self, forward: Callable[[], T]) -> None:
         self._forward = forward
         self._forward()  # "capture": one run, so a failing forward fails here as on CUDA
 
-    def replay(self) -> Outputs:
+    def replay(self) -> T:
         return self._forward()
 
 
-class CudaGraph:
+class CudaGraph(Generic[T]):
     """A recorded forward: `replay` relaunches it; outputs are the same tensors each time."""
 
     # pool: torch.cuda.graph_pool_handle(), shared by every graph of a GraphRunner.
-    def __init__(self, forward: Callable[[], Outputs], pool: torch.cuda._POOL_HANDLE) -> None:
+    def __init__(self, forward: Callable[[], T], pool: torch.cuda._POOL_HANDLE) -> None:
         # Warm up on a side stream first (Triton compiles its kernels, the allocator sees
         # the sizes), as torch.cuda.make_graphed_callables does.
         side = torch.cuda.Stream()
@@ -100,9 +103,40 @@ class CudaGraph:
         with torch.cuda.graph(self._graph, pool=pool):
             self._outputs = forward()
 
-    def replay(self) -> Outputs:
+    def replay(self) -> T:
         self._graph.replay()
         return self._outputs
+
+
+def capture_all(keys: Sequence[K], make_forward: Callable[[K], Callable[[], T]],
+                device: torch.device, what: str
+                ) -> tuple[dict[K, EagerGraph[T] | CudaGraph[T]], str | None, int]:
+    """One graph per key, in the given order (largest first: they share one memory pool):
+    (graphs, None, pool bytes), or on any failure ({}, the reason, pool bytes) after one
+    ERROR record with the key, the reason and the traceback (the caller runs eagerly)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+    graphs: dict[K, EagerGraph[T] | CudaGraph[T]] = {}
+    error = None
+    key = None
+    try:
+        for key in keys:
+            forward = make_forward(key)
+            graphs[key] = CudaGraph(forward, pool) if cuda else EagerGraph(forward)
+    except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
+        graphs = {}
+        error = f"capture of {key} failed: {type(exc).__name__}: {exc}"
+        log.error("graph capture failed; the %s runs eagerly", what, exc_info=True, extra={
+            "event": "graph_capture_failed", "what": what, "shape": str(key),
+            "reason": error, "traceback": traceback.format_exc()})
+    pool_bytes = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
+    return graphs, error, pool_bytes
 
 
 @dataclass
@@ -144,7 +178,7 @@ class GraphRunner:
         self.shapes = tuple(sorted(set(shapes), reverse=True))  # largest first: pool reuse
         self._forward = forward
         self.static = _allocate_static(self.shapes, device, block_size, pad_block, table_width)
-        self.graphs: dict[GraphShape, EagerGraph | CudaGraph] = {}
+        self.graphs: dict[GraphShape, EagerGraph[Outputs] | CudaGraph[Outputs]] = {}
         self.error: str | None = None  # why capture failed (everything runs eagerly then)
         self.memory_bytes = 0  # static buffers + the graphs' memory pool
         self.replays: Counter[GraphShape] = Counter()  # per shape, for tests and status
@@ -153,26 +187,8 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every shape; on any failure log it (ERROR, with traceback), drop them
         all and run eagerly. Sets `memory_bytes`."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_reserved(self.device)
-            pool = torch.cuda.graph_pool_handle()
-        shape = None
-        try:
-            for shape in self.shapes:
-                run = self._bound_forward(shape)
-                self.graphs[shape] = CudaGraph(run, pool) if cuda else EagerGraph(run)
-        except Exception as exc:  # noqa: BLE001 - reported below, then eager by design
-            self.graphs = {}
-            self.error = f"capture of {shape} failed: {type(exc).__name__}: {exc}"
-            log.error("graph capture failed; every step runs eagerly", exc_info=True, extra={
-                "event": "graph_capture_failed", "shape": str(shape), "reason": self.error,
-                "traceback": traceback.format_exc()})
-        pool_bytes = 0
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.graphs, self.error, pool_bytes = capture_all(
+            self.shapes, self._bound_forward, self.device, "target forward")
         self.memory_bytes = self.static.nbytes() + pool_bytes
 
     def shape_for(self, meta: AttentionMetadata) -> GraphShape | None:

@@ -20,12 +20,16 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
-                  reserved_bytes: int = 0) -> int:
+                  reserved_bytes: int = 0, extra_elements_per_token: int = 0) -> int:
     """`config.num_kv_blocks` if set, else as many blocks as `kv_cache_memory_bytes` holds
-    after `reserved_bytes` (captured graphs and their padding block, graphs.py)."""
+    after `reserved_bytes` (captured graphs and their padding block, graphs.py).
+    extra_elements_per_token: another cache indexed by the same blocks (the EAGLE-3 head's
+    K/V), in `dtype`, paid from the same budget."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    block_bytes = kv_block_bytes(cfg, config.block_size, dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    block_bytes = (kv_block_bytes(cfg, config.block_size, dtype)
+                   + extra_elements_per_token * config.block_size * element)
     count = (config.kv_cache_memory_bytes - reserved_bytes) // block_bytes
     if count < 1:
         raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV "

@@ -122,12 +122,15 @@ class ModelRunner:
     beside plain decode when graphs are on (`config.graphs_enabled`; `graphs` is then the
     GraphRunner, else None). Graphs get one KV block past `num_kv_blocks` (padding rows)
     and their memory comes out of the KV-cache budget.
+    extra_kv_elements_per_token: a cache the caller allocates with `num_kv_blocks` blocks
+    (the draft head's K/V), paid from the same budget.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
                  capture_layers: Sequence[int] = (),
                  make_linear: LinearFactory | None = None,
-                 verify_shape: tuple[int, bool] | None = None) -> None:
+                 verify_shape: tuple[int, bool] | None = None,
+                 extra_kv_elements_per_token: int = 0) -> None:
         self.config = config
         self.model_config = (ModelConfig.from_dir(config.model_path) if model_config is None
                              else model_config)
@@ -155,7 +158,8 @@ class ModelRunner:
             del trial
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype, reserved)
+        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype, reserved,
+                                           extra_kv_elements_per_token)
         # With graphs, one block more than the scheduler owns: the padding rows' (graphs.py).
         self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
         if shapes:

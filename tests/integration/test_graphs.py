@@ -39,6 +39,10 @@ def test_graph_replay_gives_the_eager_engines_output(
     assert bool(verify) == (mode in ("chain", "tree", "auto-threshold"))
     assert all(s.tree_mask == (mode == "tree") for s in verify)
     assert any(s.num_seqs in (4, 6) for s in graphs.replays), "no step was padded"
+    if mode in ("chain", "tree", "auto-threshold"):
+        assert core.spec is not None and core.spec.draft_graphs is not None
+        assert core.spec.draft_graphs.error is None
+        assert sum(core.spec.draft_graphs.replays.values()) > 0  # the draft loop replayed
     assert graphs.num_eager > 0  # prefill chunks are never captured
 
 
@@ -85,24 +89,57 @@ def test_graphs_off_by_default_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("fixed_blocks", [None, 64], ids=["budget", "num_kv_blocks"])
-def test_a_failed_capture_is_logged_once_and_the_engine_runs_eagerly(
-        eager: dict[str, list[int]], fixed_blocks: int | None,
+@pytest.mark.parametrize("mode", ["no-head", "chain"])
+def test_a_failed_capture_is_logged_and_the_engine_runs_eagerly(
+        eager: dict[str, list[int]], fixed_blocks: int | None, mode: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def broken(self: graphs_module.EagerGraph, forward: object) -> None:
+    def broken(self: graphs_module.EagerGraph[object], forward: object) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs_module.EagerGraph, "__init__", broken)
     with caplog.at_level(logging.ERROR, logger="specd.graphs"):
-        got, core = run(False, cuda_graphs=True, speculative_algorithm=None,
-                        num_kv_blocks=fixed_blocks)
+        got, core = run(False, cuda_graphs=True, num_kv_blocks=fixed_blocks, **MODES[mode])
     records = [r for r in caplog.records if getattr(r, "event", "") == "graph_capture_failed"]
-    assert len(records) == 1
-    assert records[0].exc_info is not None
-    assert "RuntimeError" in getattr(records[0], "traceback", "")
-    assert core.resolved.graphs.startswith("eager (capture of GraphShape(")
-    assert "operation not permitted" in core.resolved.graphs
+    # One record per captured thing: the target forward, and the draft loop with a head.
+    assert [getattr(r, "what", "") for r in records] == (
+        ["target forward"] + (["draft loop"] if mode == "chain" else []))
+    for record in records:
+        assert record.exc_info is not None
+        assert "RuntimeError" in getattr(record, "traceback", "")
+    status = core.resolved.graphs
+    assert status.startswith("eager (capture of GraphShape(")
+    assert "operation not permitted" in status
+    assert (" | draft loop eager (capture of (" in status) == (mode == "chain")
     assert core.runner.graphs is not None and core.runner.graphs.num_replays == 0
     assert_same(got, eager)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_nan_drafts_are_reported_on_both_paths(graphs: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The draft loop's NaN check moved to the host (a captured loop cannot read the device):
+    # a head that yields NaN still fails the step, whether the loop replays or not.
+    with pytest.raises(ValueError, match="draft log-probabilities contain NaN"):
+        run(False, cuda_graphs=graphs, spec_mode="on", max_num_seqs=6,
+            _after_build=lambda core: _poison_head(core, monkeypatch))
+
+
+def _poison_head(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert core.spec is not None
+    head = core.spec.head
+    real = head.logits
+    monkeypatch.setattr(head, "logits", lambda out: real(out) * float("nan"))
+
+
+def test_the_draft_cache_is_paid_from_the_kv_budget() -> None:
+    # Same budget: with a head, each block also holds the head's K/V, so fewer blocks fit.
+    _, plain = run(False, speculative_algorithm=None)
+    _, spec = run(False, spec_mode="on")
+    assert spec.runner.num_kv_blocks < plain.runner.num_kv_blocks
+    assert spec.spec is not None
+    target = spec.runner.kv_caches[0].nbytes * len(spec.runner.kv_caches)
+    used = target + spec.spec.draft_kv.nbytes
+    assert used <= spec.config.kv_cache_memory_bytes
 
 
 def test_capture_sizes_and_padding() -> None:

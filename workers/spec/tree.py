@@ -95,15 +95,19 @@ class DraftTree:
         return self.token_ids[:, 1:]
 
 
-def start_tree(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[Candidates, Frontier]:
+def start_tree(logprobs: torch.Tensor, token_ids: torch.Tensor, check: bool = True
+               ) -> tuple[Candidates, Frontier]:
     """The root's top-K children: logprobs and target token ids [B, K] (best first or not).
 
-    Returns the candidates so far (these K) and the first frontier (depth 1).
+    Returns the candidates so far (these K) and the first frontier (depth 1). check=False
+    skips the NaN check (it reads the device: not allowed while a CUDA graph captures); the
+    caller then checks on the host (the draft loop returns per-row NaN flags).
     """
     if logprobs.shape != token_ids.shape or logprobs.dim() != 2:
         raise ValueError(f"start_tree: logprobs {tuple(logprobs.shape)} and token_ids "
                          f"{tuple(token_ids.shape)} must both be [B, K]")
-    _check_finite(logprobs)
+    if check:
+        _check_finite(logprobs)
     batch, topk = logprobs.shape
     scores = logprobs.float().clamp(max=0.0)
     slots = torch.arange(topk, device=logprobs.device).expand(batch, -1)
@@ -117,18 +121,20 @@ def start_tree(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[Candida
 
 
 def expand_tree(cands: Candidates, frontier: Frontier, child_logprobs: torch.Tensor,
-                child_ids: torch.Tensor) -> tuple[Candidates, Frontier]:
+                child_ids: torch.Tensor, check: bool = True) -> tuple[Candidates, Frontier]:
     """Add the frontier's children and pick the next frontier.
 
     child_logprobs, child_ids: [B, K, K'], the top-K' children of each frontier node (the
     head's log-probabilities given that node, target-vocabulary ids). All K*K' children
     become candidates; the K best by cumulative score (ties: the earlier) form the frontier.
+    check: as in `start_tree`.
     """
     batch, topk = frontier.cand_ids.shape
     if child_logprobs.shape != child_ids.shape or child_logprobs.shape[:2] != (batch, topk):
         raise ValueError(f"expand_tree: child_logprobs {tuple(child_logprobs.shape)} and "
                          f"child_ids {tuple(child_ids.shape)} must both be [{batch}, {topk}, K]")
-    _check_finite(child_logprobs)
+    if check:
+        _check_finite(child_logprobs)
     # [B, K, K'] -> [B, K*K'], row-major: children of frontier node k are contiguous.
     scores = (frontier.scores[:, :, None] + child_logprobs.float().clamp(max=0.0)).flatten(1)
     parent_slots = torch.arange(topk, device=scores.device).repeat_interleave(
@@ -155,11 +161,14 @@ def expand_tree(cands: Candidates, frontier: Frontier, child_logprobs: torch.Ten
     return cands, next_frontier
 
 
-def build_tree(cands: Candidates, root_ids: torch.Tensor, num_draft_tokens: int) -> DraftTree:
+def build_tree(cands: Candidates, root_ids: torch.Tensor, num_draft_tokens: int,
+               check: bool = True) -> DraftTree:
     """Keep the `num_draft_tokens - 1` best candidates and lay the tree out for verification.
 
     root_ids [B]: the last accepted token of each sequence. num_draft_tokens counts the root
     (as SGLang's `--speculative-num-draft-tokens`); at most the number of candidates + 1.
+    check=False skips the check that every kept node's parent was kept (it reads the
+    device); the caller then checks the parents on the host (`check_parents`).
     """
     num_kept = num_draft_tokens - 1
     batch, num_cands = cands.scores.shape
@@ -176,8 +185,8 @@ def build_tree(cands: Candidates, root_ids: torch.Tensor, num_draft_tokens: int)
     node_of.scatter_(1, kept, nodes)
     cand_parents = cands.parents.gather(1, kept)
     parents = node_of.gather(1, torch.where(cand_parents < 0, num_cands, cand_parents))
-    if bool((parents < 0).any()):
-        raise ValueError("build_tree: a kept node's parent was dropped (scores not monotone)")
+    if check and bool((parents < 0).any()):
+        raise ValueError(_DROPPED_PARENT)
     minus_one = torch.full((batch, 1), -1, dtype=torch.long, device=device)
     zero = torch.zeros((batch, 1), dtype=torch.long, device=device)
     all_parents = torch.cat([minus_one, parents], dim=1)
@@ -186,6 +195,15 @@ def build_tree(cands: Candidates, root_ids: torch.Tensor, num_draft_tokens: int)
         parents=all_parents,
         depths=torch.cat([zero, cands.depths.gather(1, kept)], dim=1),
         tree_mask=tree_mask_from_parents(all_parents))
+
+
+_DROPPED_PARENT = "build_tree: a kept node's parent was dropped (scores not monotone)"
+
+
+def check_parents(parents: list[list[int]]) -> None:
+    """Host-side form of build_tree's check: only node 0 of each row has parent -1."""
+    if any(p < 0 for row in parents for p in row[1:]):
+        raise ValueError(_DROPPED_PARENT)
 
 
 def chain_tree(root_ids: torch.Tensor, draft_ids: torch.Tensor) -> DraftTree:

@@ -34,13 +34,16 @@ from specd.workers import sampler
 from specd.workers.attention import build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, ScheduledSequence, TokenLogprobs
 from specd.workers.config import EngineConfig
+from specd.workers.graphs import capture_sizes
+from specd.workers.host_copy import upload
 from specd.workers.model_runner import ModelRunner, PendingOutput, StepInputs, _token_slice
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.accept import accept_tree
 from specd.workers.spec.controller import SpecController, SpecEvent
+from specd.workers.spec.draft_graphs import DraftGraphs, DraftInputs, prefix_widths
 from specd.workers.spec.draft_model import DraftConfig, DraftHead
 from specd.workers.spec.streams import DraftStreams
-from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
+from specd.workers.spec.tree import DraftTree, build_tree, check_parents, expand_tree, start_tree
 
 
 @dataclass
@@ -122,6 +125,19 @@ class SpeculativeWorker:
         self.streams = DraftStreams(self.device)  # drafting beside the main stream
         self.figures = SpecFigures(accepted_at_depth=[0] * self.num_steps,
                                    drafted_at_depth=[0] * self.num_steps)
+        # Last, once everything the draft loop reads is set: its captured graphs.
+        self.draft_graphs = self._capture_draft_graphs() if config.graphs_enabled else None
+
+    def _capture_draft_graphs(self) -> DraftGraphs:
+        runner, cfg = self.runner, self.config
+        max_len = min(cfg.max_model_len or runner.model_config.max_model_len,
+                      runner.model_config.max_model_len)
+        graphs = DraftGraphs(self.draft_loop, capture_sizes(cfg.max_num_seqs),
+                             prefix_widths(max_len), self.head.config.hidden_size,
+                             self.draft_kv.dtype, self.device)
+        with torch.inference_mode():
+            graphs.capture()
+        return graphs
 
     # --- verify -----------------------------------------------------------------------
 
@@ -339,10 +355,13 @@ class SpeculativeWorker:
             last_out = self._catch_up(todo)  # [B, H] draft output of each sequence's last pair
             t1 = time.perf_counter()
             self.figures.catch_up_s += t1 - t0
-            tree = self._draft(todo, last_out)
+            tree, nan_rows = self._draft(todo, last_out)
             # The host reads the tree (one copy per tensor): the scheduler needs token ids.
             parents, depths = tree.parents.tolist(), tree.depths.tolist()
             masks, drafts = tree.tree_mask.tolist(), tree.draft_token_ids.tolist()
+            if any(nan_rows.tolist()):
+                raise ValueError("draft log-probabilities contain NaN")
+            check_parents(parents)
         self.figures.draft_s += time.perf_counter() - t1
         for b, seq in enumerate(todo):
             state = self.states[seq.request_id]
@@ -380,14 +399,41 @@ class SpeculativeWorker:
         last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return out[last_rows]
 
-    def _draft(self, seqs: list[Seq], last_out: torch.Tensor) -> DraftTree:
-        """N levels of drafting (top-k per node; k = 1 is a chain) -> the tree to verify."""
+    def _draft(self, seqs: list[Seq], last_out: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+        """N levels of drafting (top-k per node; k = 1 is a chain) -> the tree to verify and
+        per-row NaN flags [B] (the host checks both when it reads them). Replays a captured
+        draft loop when one fits (draft_graphs.py), else runs it eagerly."""
+        width = max(s.num_computed_tokens for s in seqs)
+        shape = (None if self.draft_graphs is None
+                 else self.draft_graphs.shape_for(len(seqs), width))
+        inputs = self._draft_inputs(seqs, last_out, width if shape is None else shape[1])
+        if shape is not None and self.draft_graphs is not None:
+            return self.draft_graphs.run(shape, inputs)
+        if self.draft_graphs is not None:
+            self.draft_graphs.num_eager += 1
+        return self.draft_loop(inputs)
+
+    def _draft_inputs(self, seqs: list[Seq], last_out: torch.Tensor, width: int
+                      ) -> DraftInputs:
+        """The draft loop's inputs, prefix padded to `width` positions."""
+        slots, ok = self._prefix_slots(seqs, width)
+        return DraftInputs(
+            last_out=last_out, prefix_slots=slots, prefix_ok=ok,
+            roots=torch.tensor([s.num_computed_tokens for s in seqs], device=self.device),
+            root_ids=torch.tensor([s.all_token_ids[-1] for s in seqs], device=self.device))
+
+    def draft_loop(self, inputs: DraftInputs) -> tuple[DraftTree, torch.Tensor]:
+        """The device part of drafting: shapes fixed by the inputs' and no host reads, so
+        it can be captured (checks are left to the host: NaN flags [B] returned)."""
         head, k = self.head, self.topk
-        batch = len(seqs)
-        prefix_k, prefix_v, prefix_ok = self._gather_prefix(seqs)  # [B, L, kvh, d] x2, [B, L]
-        roots = torch.tensor([s.num_computed_tokens for s in seqs], device=self.device)
+        last_out, roots = inputs.last_out, inputs.roots
+        batch = last_out.shape[0]
+        flat = self.draft_kv.view(2, -1, *self.draft_kv.shape[-2:])
+        prefix_k = flat[0][inputs.prefix_slots]  # [B, L, kvh, d]
+        prefix_v = flat[1][inputs.prefix_slots]
         logp, ids = self._top(last_out)  # [B, K]
-        cands, frontier = start_tree(logp, ids)
+        nan_rows = logp.isnan().any(dim=-1)
+        cands, frontier = start_tree(logp, ids, check=False)
         hidden = last_out[:, None].expand(batch, k, -1)  # [B, K, H] inputs of depth-1 nodes
         scratch_k: list[torch.Tensor] = []
         scratch_v: list[torch.Tensor] = []
@@ -401,17 +447,17 @@ class SpeculativeWorker:
             values = torch.cat([prefix_v, *scratch_v], dim=1)
             bits = (frontier.scratch_masks[:, :, None]
                     >> torch.arange(step * k, device=self.device)) & 1  # [B, K, step*K]
-            mask = torch.cat([prefix_ok[:, None].expand(batch, k, -1), bits.bool()], dim=2)
+            mask = torch.cat([inputs.prefix_ok[:, None].expand(batch, k, -1), bits.bool()],
+                             dim=2)
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=mask[:, None], scale=head.scale, enable_gqa=True)  # [B, heads, K, d]
             out = head.finish(attn.transpose(1, 2), hidden)  # [B, K, H]
             child_logp, child_ids = self._top(out)  # [B, K, K]
-            cands, frontier = expand_tree(cands, frontier, child_logp, child_ids)
+            nan_rows = nan_rows | child_logp.isnan().flatten(1).any(dim=-1)
+            cands, frontier = expand_tree(cands, frontier, child_logp, child_ids, check=False)
             hidden = out.gather(1, frontier.parent_slots[:, :, None].expand(-1, -1, out.shape[2]))
-        root_ids = torch.tensor([s.all_token_ids[-1] for s in seqs], device=self.device)
-        tree = build_tree(cands, root_ids, self.num_draft_tokens)
-        return tree
+        return build_tree(cands, inputs.root_ids, self.num_draft_tokens, check=False), nan_rows
 
     def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k log-probabilities and TARGET token ids of the head's prediction."""
@@ -419,22 +465,19 @@ class SpeculativeWorker:
         values, draft_ids = logp.topk(self.topk, dim=-1)
         return values, self.head.to_target_ids(draft_ids)
 
-    def _gather_prefix(self, seqs: list[Seq]
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft K/V of positions [0, num_computed) of each sequence, padded: K, V
-        [B, L, kv_heads, d] and a bool [B, L] of the real positions."""
+    def _prefix_slots(self, seqs: list[Seq], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-cache slots of positions [0, width) of each sequence (past its
+        num_computed_tokens: its last slot again) int64 [B, width], and a bool [B, width] of
+        the real positions."""
         lengths = [s.num_computed_tokens for s in seqs]
-        width = max(lengths)
         pos = torch.arange(width)
         slots = []
         for seq, n in zip(seqs, lengths, strict=True):
             table = torch.tensor(seq.block_ids, dtype=torch.int64)
             p = pos.clamp(max=n - 1)
             slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-        index = torch.stack(slots).to(self.device)  # [B, L]
-        flat = self.draft_kv.view(2, -1, *self.draft_kv.shape[-2:])
         ok = pos[None] < torch.tensor(lengths)[:, None]
-        return flat[0][index], flat[1][index], ok.to(self.device)
+        return upload(torch.stack(slots), self.device), upload(ok, self.device)
 
     # --- per request ------------------------------------------------------------------
 
