@@ -71,11 +71,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads (1 avoids stalls when other work shares the cores)")
     p.add_argument("--dtype", default="auto",
                    help="both systems' dtype: auto (each system's default) or a torch dtype")
+    p.add_argument("--cpu-compile", action="store_true",
+                   help="specd compiles plain decode (torch.compile; the warm-up compiles)")
     p.add_argument("--out", default="bench_out/bench_engine.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    engine = specd.Engine(args.model, spec_mode="off", dtype=args.dtype)
+    engine = specd.Engine(args.model, spec_mode="off", dtype=args.dtype,
+                          cpu_compile=args.cpu_compile)
     engine.core.warmup()
     batch1_prompts = load_prompts(args.batch1_prompts)
     rows: list[dict[str, Any]] = []
@@ -106,10 +109,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['wall_s']:>9.2f}{r['tokens_per_s']:>10.1f}")
     for k, v in summary.items():
         print(f"{k}: {v:.2f}")
-    print(f"specd dtype: {engine.core.resolved.dtype}")
+    print(f"specd dtype: {engine.core.resolved.dtype}; graphs/compile: "
+          f"{engine.core.resolved.graphs}")
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "torch_threads": torch.get_num_threads()},
               "specd_dtype": engine.core.resolved.dtype,
+              "specd_graphs": engine.core.resolved.graphs,
               "args": vars(args), "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -58,6 +58,8 @@ class EngineConfig:
     # Replay captured forwards for plain decode and verification (None: on for CUDA, off
     # on the CPU, where True runs the synchronous stand-in): graphs.py.
     cuda_graphs: bool | None = None
+    # Compile plain decode on the CPU (torch.compile, inductor): cpu_decode.py.
+    cpu_compile: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +93,11 @@ class EngineConfig:
         if not 1 <= self.spec_num_draft_tokens <= 64:
             raise ValueError(
                 f"spec_num_draft_tokens must be in [1, 64], got {self.spec_num_draft_tokens}")
+        if self.cpu_compile and self.device != "cpu":
+            raise ValueError(f"cpu_compile applies to device cpu only, got {self.device!r}")
+        if self.cpu_compile and self.cuda_graphs:
+            raise ValueError("cpu_compile and cuda_graphs (the CPU stand-in) are alternatives "
+                             "on the CPU; turn one off")
         if self.spec_disable_batch_threshold < 1:
             raise ValueError("spec_disable_batch_threshold must be >= 1, "
                              f"got {self.spec_disable_batch_threshold}")

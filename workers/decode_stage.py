@@ -88,19 +88,38 @@ class DecodeStage:
     def keys_values(self, kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor,
                     plan: StagePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [G, kv_heads, width, d] of the group for one layer, from the kept copy
-        (appending this step's token) or, on refresh, from one gather of `key_blocks`."""
+        (appending this step's token, already in the cache) or, on refresh, from one gather
+        of `key_blocks`."""
+        refreshed = plan.refresh or kv_cache_layer.data_ptr() not in self._buffers
+        buf = self.history(kv_cache_layer, key_blocks, plan)
+        if not refreshed:
+            num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+            new = kv_cache_layer.view(2, -1, num_kv_heads, head_dim)[:, plan.new_slots]
+            # buf[:, g, :, pos[g]] has shape [G, 2, kvh, d]: advanced indices lead.
+            buf[:, plan.rows, :, plan.new_positions] = new.transpose(0, 1)
+        return buf[0, :, :, : plan.width], buf[1, :, :, : plan.width]
+
+    def history(self, kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor,
+                plan: StagePlan) -> torch.Tensor:
+        """The kept copy [2, G, kv_heads, capacity, d] of one layer before this step's
+        token is written (the compiled decode, cpu_decode.py): gathered on refresh, as is
+        otherwise. Position S - 1 of each sequence (its new token) is stale until `append`."""
         num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-        g = plan.new_slots.shape[0]
         key = kv_cache_layer.data_ptr()
         buf = self._buffers.get(key)
         if plan.refresh or buf is None:
+            g = plan.new_slots.shape[0]
             gathered = kv_cache_layer.index_select(1, key_blocks)  # [2, G*mb, bs, kvh, d]
             gathered = gathered.view(2, g, -1, num_kv_heads, head_dim).transpose(2, 3)
             buf = kv_cache_layer.new_zeros(2, g, num_kv_heads, self.capacity, head_dim)
             buf[:, :, :, : gathered.shape[3]] = gathered
             self._buffers[key] = buf
-        else:
-            new = kv_cache_layer.view(2, -1, num_kv_heads, head_dim)[:, plan.new_slots]
-            # buf[:, g, :, pos[g]] has shape [G, 2, kvh, d]: advanced indices lead.
-            buf[:, plan.rows, :, plan.new_positions] = new.transpose(0, 1)
-        return buf[0, :, :, : plan.width], buf[1, :, :, : plan.width]
+        return buf
+
+    def append(self, kv_cache_layer: torch.Tensor, plan: StagePlan, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Write this step's k, v [G, kv_heads, d] at each sequence's new position."""
+        buf = self._buffers[kv_cache_layer.data_ptr()]
+        buf[0, plan.rows, :, plan.new_positions] = k
+        buf[1, plan.rows, :, plan.new_positions] = v
+

@@ -97,7 +97,21 @@ class EngineCore:
         self.scheduler = Scheduler(
             config, self.runner.num_kv_blocks, self.max_model_len, self.model_config.eos_token_ids
         )
-        self.resolved = EngineResolved(
+        self.overlap = config.overlap_enabled
+        self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
+        self._last_finish = 0.0
+        self._last_step_switched = False  # the controller switched after the last step
+        # request id -> number of output tokens already reported in a delta
+        self._num_emitted: dict[str, int] = {}
+        self._num_steps = 0
+        self._num_generated = 0
+
+    @property
+    def resolved(self) -> EngineResolved:
+        """What the engine found at start-up (and what its graphs or compiled decode came
+        to, which warm-up may change: a compilation that failed)."""
+        config = self.config
+        return EngineResolved(
             model_name=config.model_path.name,
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=config.block_size,
@@ -113,14 +127,6 @@ class EngineCore:
                 + (0 if self.spec is None or self.spec.draft_graphs is None
                    else self.spec.draft_graphs.memory_bytes)),
         )
-        self.overlap = config.overlap_enabled
-        self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
-        self._last_finish = 0.0
-        self._last_step_switched = False  # the controller switched after the last step
-        # request id -> number of output tokens already reported in a delta
-        self._num_emitted: dict[str, int] = {}
-        self._num_steps = 0
-        self._num_generated = 0
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -291,6 +297,11 @@ class EngineCore:
             self.add_request(f"__warmup{i}", ids, params)
         while self.has_unfinished():
             self.step()
+        if self.runner.compiled_decode is not None:
+            # Batch size 1 is compiled apart from larger ones (cpu_decode.py): compile it now.
+            self.add_request("__warmup_single", ids, SamplingParams(max_tokens=3))
+            while self.has_unfinished():
+                self.step()
         if self.spec is not None:
             self.spec.controller.forget_measurements()  # warm-up steps are not the workload
 
@@ -345,7 +356,10 @@ def _build_speculative(config: EngineConfig, model_config: ModelConfig
 
 
 def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
-    """The target's graphs and the draft loop's, for status ("off" without graphs)."""
+    """The target's graphs and the draft loop's, or the compiled CPU decode, for status
+    ("off" without either)."""
+    if runner.compiled_decode is not None:
+        return runner.compiled_decode.status()
     if runner.graphs is None:
         return "off"
     parts = [runner.graphs.status()]

@@ -8,7 +8,7 @@ fp32 models to a tight tolerance.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -124,13 +124,16 @@ class PackedLinear(nn.Module):
 def pack_linears_for_cpu(model: nn.Module) -> int:
     """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` (where oneDNN
     is built in); returns how many were replaced."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu"):
+            if can_pack(child):
                 setattr(module, name, PackedLinear(child))
                 count += 1
     return count
+
+
+def can_pack(module: nn.Module | None) -> TypeGuard[nn.Linear]:
+    """Whether `module` is a linear `PackedLinear` can replace (bf16, CPU, oneDNN built)."""
+    return (torch.backends.mkldnn.is_available() and isinstance(module, nn.Linear)
+            and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu")

@@ -16,11 +16,18 @@ from specd.workers import sampler
 from specd.workers.attention import MAX_TREE_TOKENS, AttentionMetadata, build_attention_metadata
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig
+from specd.workers.cpu_decode import CompiledDecode
 from specd.workers.decode_stage import DecodeStage
 from specd.workers.graphs import GraphRunner, GraphShape, capture_sizes
 from specd.workers.host_copy import HostCopy, upload
 from specd.workers.kv_cache import allocate_kv_cache, kv_block_bytes, num_kv_blocks
-from specd.workers.layers import LinearFactory, dense_linear, pack_linears_for_cpu
+from specd.workers.layers import (
+    LinearFactory,
+    PackedLinear,
+    can_pack,
+    dense_linear,
+    pack_linears_for_cpu,
+)
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
 from specd.workers.sequence import Sequence as Seq
@@ -142,8 +149,16 @@ class ModelRunner:
             make_linear = _linear_factory(self.model_config)
         self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
         # bf16 on the CPU: oneDNN's weight layout once, not per call (layers.PackedLinear).
-        self.num_packed_linears = (pack_linears_for_cpu(self.model)
-                                   if self.device.type == "cpu" else 0)
+        # With cpu_compile the decoder's weights stay plain (inductor cannot lower the packed
+        # op; its freezing packs the compiled step's weights itself); lm_head runs outside.
+        self.num_packed_linears = 0
+        if self.device.type == "cpu" and not config.cpu_compile:
+            self.num_packed_linears = pack_linears_for_cpu(self.model)
+        elif self.device.type == "cpu" and can_pack(self.model.lm_head):
+            self.model.lm_head = PackedLinear(self.model.lm_head)
+            self.num_packed_linears = 1
+        self.compiled_decode = (CompiledDecode(self.model, self.capture_layers)
+                                if config.cpu_compile else None)
         shapes = _graph_shapes(config, verify_shape) if config.graphs_enabled else ()
         self.graphs: GraphRunner | None = None
         reserved = 0
@@ -231,20 +246,30 @@ class ModelRunner:
         staged = any(g.stage_plan is not None for g in inputs.meta.groups)
         if not staged:
             self.invalidate_decode_stage()  # this forward writes K/V the copy would miss
-        shape = None if self.graphs is None else self.graphs.shape_for(inputs.meta)
         try:
-            if shape is not None and self.graphs is not None:
-                hidden, aux = self.graphs.run(shape, input_ids, inputs.positions, inputs.meta)
-            else:
-                hidden, aux = self.model(input_ids, inputs.positions, self.kv_caches,
-                                         inputs.meta, self.capture_layers)
-                if self.graphs is not None:
-                    self.graphs.num_eager += 1
+            hidden, aux = self._run_model(input_ids, inputs)
         except BaseException:
             self.invalidate_decode_stage()  # some layers may have appended, others not
             raise
         self.last_inputs, self.last_hidden, self.last_aux_hidden = inputs, hidden, aux
         return hidden
+
+    def _run_model(self, input_ids: torch.Tensor, inputs: StepInputs
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A captured graph if one fits, else the compiled CPU decode if it applies, else
+        the eager model: (hidden, aux)."""
+        meta = inputs.meta
+        if self.graphs is not None:
+            shape = self.graphs.shape_for(meta)
+            if shape is not None:
+                return self.graphs.run(shape, input_ids, inputs.positions, meta)
+            self.graphs.num_eager += 1
+        elif self.compiled_decode is not None and self.compiled_decode.applies(meta):
+            result = self.compiled_decode.run(input_ids, inputs.positions, meta, self.kv_caches)
+            if result is not None:
+                return result
+        return self.model(input_ids, inputs.positions, self.kv_caches, meta,
+                          self.capture_layers)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,

@@ -48,6 +48,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos_sin)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)  # [N, heads, head_dim]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> q [N, heads, d], k and v [N, kv_heads, d] (normed, rotated)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -55,10 +63,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)  # [N, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin), v
 
 
 class MLP(nn.Module):
