@@ -58,7 +58,7 @@ class EngineConfig:
     # Replay captured forwards for plain decode and verification (None: on for CUDA, off
     # on the CPU, where True runs the synchronous stand-in): graphs.py.
     cuda_graphs: bool | None = None
-    # Compile plain decode on the CPU (torch.compile, inductor): cpu_decode.py.
+    # Compile decode and verify steps on the CPU (torch.compile, inductor): cpu_decode.py.
     cpu_compile: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -1,4 +1,4 @@
-"""Plain decode on the CPU as one compiled function (torch.compile, inductor, frozen weights).
+"""Decode and verify steps on the CPU as one compiled function (torch.compile, inductor).
 
 On the CPU a small-batch decode step of the fixture is a few milliseconds of GEMMs and as
 much again of per-op overhead: ~40 small ops per layer, each paying the dispatcher and the
@@ -8,15 +8,17 @@ freezing packs the weights for oneDNN itself. `--cpu-compile` turns it on (off b
 the first step of each batch-size class compiles for 20-40 s on two cores; the compiled
 code is cached on disk by inductor and reused by later processes).
 
-Contract of the compiled function (`_decode`): input ids and positions [G]; per layer the
-kept K/V copy [2, G, kv_heads, W, d] of the decode group (decode_stage.DecodeStage, W its
-capacity; position S - 1 of each sequence and everything after it stale) and hist_ok
-[G, W] (True at positions < S - 1).
-It reads no cache and writes nothing: attention is over the history plus the step's own
-token (two score blocks, one softmax), and the new K/V come back [L, G, kv_heads, d] for
-the caller to store in the paged cache and append to the kept copy. Shapes are dynamic
-(G and W are marked dynamic), so one compilation serves every batch size >= 2 and every
-length; batch size 1 is a second compilation.
+Contract of the compiled function (`_decode`): input ids and positions [G, T] (T = 1 for
+plain decode, the drafts + 1 for verification); per layer each sequence's K/V history
+[2, G, kv_heads, W, d] (decode: the kept copy of decode_stage.DecodeStage, W its capacity;
+verify: gathered from the paged cache), hist_ok [G, W] (True at positions before this
+step's tokens) and new_ok [G, T, T] (row i sees this step's key j: causal, or the draft
+tree's ancestors). It reads no cache and writes nothing: attention is over the history
+plus the step's own keys, and the new K/V come back [L, G * T, kv_heads, d] for the caller
+to store in the paged cache (and append to the kept copy). G and W are marked dynamic, so
+one compilation serves every batch size >= 2 and every length; batch size 1 and each T
+compile apart (decode and verify at batch 1 and above: four compilations, all in the
+warm-up).
 
 A compilation that fails is not swallowed: one ERROR record with the traceback, then every
 step runs eagerly and `status` says why.
@@ -39,45 +41,59 @@ log = logging.getLogger("specd.cpu_decode")
 
 def attend_history_and_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                            k_hist: torch.Tensor, v_hist: torch.Tensor, hist_ok: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One query row per sequence over its history and its own new key.
+                           new_ok: torch.Tensor, scale: float) -> torch.Tensor:
+    """T query rows per sequence over its history and the step's own T keys.
 
-    q [G, heads, d]; k_new, v_new [G, kvh, d]; k_hist, v_hist [G, kvh, W, d]; hist_ok [G, W]
-    -> [G, heads, d] in q's dtype. Head h reads KV head h // (heads / kvh) (transformers'
-    repeat_kv); the merge is in float32.
+    q [G * T, heads, d] and k_new, v_new [G * T, kvh, d], sequence by sequence; k_hist,
+    v_hist [G, kvh, W, d]; hist_ok bool [G, W]; new_ok bool [G, T, T]: row i may see the
+    step's key j (causal, or a draft tree's ancestors) -> [G * T, heads, d] in q's dtype.
+    Head h reads KV head h // (heads / kvh) (transformers' repeat_kv); the softmax and the
+    merge are float32.
     """
-    g, heads, d = q.shape
+    g, t = new_ok.shape[:2]
+    heads, d = q.shape[1:]
     kvh = k_new.shape[1]
-    qg = q.view(g, kvh, heads // kvh, d)  # [G, kvh, grp, d]: a KV head's queries
-    s_new = (qg.float() * k_new.float()[:, :, None]).sum(-1) * scale  # [G, kvh, grp]
+    grp = heads // kvh
+    # Query rows of a KV head: [G, kvh, T * grp, d], row t * grp + j = token t, head j.
+    qg = q.view(g, t, kvh, grp, d).permute(0, 2, 1, 3, 4).reshape(g, kvh, t * grp, d)
+    kn = k_new.view(g, t, kvh, d).permute(0, 2, 1, 3).float()  # [G, kvh, T, d]
+    vn = v_new.view(g, t, kvh, d).permute(0, 2, 1, 3).float()
+    seen = new_ok[:, None, :, None, :].expand(g, 1, t, grp, t).reshape(g, 1, t * grp, t)
+    s_new = torch.einsum("gkqd,gktd->gkqt", qg.float(), kn) * scale
+    s_new = s_new.masked_fill(~seen, float("-inf"))  # [G, kvh, T * grp, T]
     if g == 1:
         # One sequence: ATen's CPU flash attention over the history (it also returns the
-        # log-sum-exp), merged with the new key by weight; measured fastest at batch 1.
+        # log-sum-exp), merged with the new keys by weight; measured fastest at batch 1.
         # A row with no history gets whatever the kernel makes of it, at weight 0.
         bias = torch.zeros(hist_ok.shape, dtype=q.dtype).masked_fill(~hist_ok, float("-inf"))
         o_hist, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qg, k_hist, v_hist, 0.0, False, attn_mask=bias[:, None, None, :], scale=scale)[:2]
         lse = torch.where(hist_ok.any(dim=-1)[:, None, None], lse, float("-inf"))
-        top = torch.maximum(lse, s_new)
-        w_hist, w_new = torch.exp(lse - top), torch.exp(s_new - top)
+        top = torch.maximum(lse, s_new.amax(dim=-1))  # finite: a row sees its own key
+        w_hist, w_new = torch.exp(lse - top), torch.exp(s_new - top[..., None])
         out = ((o_hist.float().nan_to_num(0.0) * w_hist[..., None]
-                + v_new.float()[:, :, None] * w_new[..., None]) / (w_hist + w_new)[..., None])
+                + torch.einsum("gkqt,gktd->gkqd", w_new, vn))
+               / (w_hist + w_new.sum(dim=-1))[..., None])
     else:
-        # A batch: two batched matmuls (4x faster than the flash kernel at 64 sequences of
-        # 2 query rows each); the history stays in its dtype, the softmax is float32.
-        s_hist = torch.einsum("gkqd,gkwd->gkqw", qg, k_hist).float() * scale  # [G,kvh,grp,W]
+        # A batch: batched matmuls (4x faster than the flash kernel at 64 sequences of 2
+        # query rows each); the history stays in its dtype.
+        s_hist = torch.einsum("gkqd,gkwd->gkqw", qg, k_hist).float() * scale  # [G,kvh,Q,W]
         s_hist = s_hist.masked_fill(~hist_ok[:, None, None, :], float("-inf"))
-        p = torch.softmax(torch.cat([s_hist, s_new[..., None]], dim=-1), dim=-1)
-        out = (torch.einsum("gkqw,gkwd->gkqd", p[..., :-1].to(v_hist.dtype), v_hist).float()
-               + p[..., -1:] * v_new.float()[:, :, None])
-    return out.reshape(g, heads, d).to(q.dtype)
+        p = torch.softmax(torch.cat([s_hist, s_new], dim=-1), dim=-1)
+        width = k_hist.shape[2]
+        out = (torch.einsum("gkqw,gkwd->gkqd", p[..., :width].to(v_hist.dtype), v_hist).float()
+               + torch.einsum("gkqt,gktd->gkqd", p[..., width:], vn))
+    return (out.view(g, kvh, t, grp, d).permute(0, 2, 1, 3, 4).reshape(g * t, heads, d)
+            .to(q.dtype))
 
 
 def _mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, hist: list[torch.Tensor],
-                  hist_ok: torch.Tensor) -> None:
+                  hist_ok: torch.Tensor, new_ok: torch.Tensor) -> None:
     """Batch size G (unless 1: dynamo compiles size 1 apart anyway) and history width W."""
     if input_ids.shape[0] > 1:
-        for t, dim in ((input_ids, 0), (positions, 0), (hist_ok, 0), *((h, 1) for h in hist)):
+        batch_dims = ((input_ids, 0), (positions, 0), (hist_ok, 0), (new_ok, 0),
+                      *((h, 1) for h in hist))
+        for t, dim in batch_dims:
             torch._dynamo.mark_dynamic(t, dim)
     for t, dim in ((hist_ok, 1), *((h, 3) for h in hist)):
         torch._dynamo.mark_dynamic(t, dim)
@@ -102,60 +118,79 @@ class CompiledDecode:
             self._decode, dynamic=None,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.error: str | None = None  # why it fell back to eager, for status
-        self.num_steps = 0
+        self.num_steps = 0  # compiled decode steps
+        self.num_verify_steps = 0
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A plain decode step whose one group has a kept K/V plan."""
-        return (self.error is None and len(meta.groups) == 1 and meta.groups[0].is_all_rows
-                and meta.groups[0].num_query_rows == 1 and meta.groups[0].stage_plan is not None)
+        """A step of one group of equal query lengths: plain decode with a kept K/V plan,
+        or a verify step (T > 1 rows per sequence, causal or tree-masked)."""
+        if self.error is not None or len(meta.groups) != 1 or not meta.groups[0].is_all_rows:
+            return False
+        group = meta.groups[0]
+        if group.num_query_rows == 1:
+            return group.stage_plan is not None
+        return group.stage_plan is None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             kv_caches: Sequence[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(hidden, aux) of the step, its K/V stored in the cache and the kept copy; None
-        if compilation failed (logged; the caller runs the step eagerly, and every later
-        one)."""
+        """(hidden, aux) of the step, its K/V stored in the cache (and the kept copy, for
+        decode); None if compilation failed (logged; the caller runs the step eagerly, and
+        every later one)."""
         group = meta.groups[0]
+        g, t = group.num_seqs, group.num_query_rows
         plan = group.stage_plan
-        if plan is None:
-            raise ValueError("CompiledDecode.run needs a decode group with a stage plan")
-        stage: DecodeStage = plan.stage
-        # Whole kept copies, not [:width] slices: a slice is contiguous only when it is full,
-        # and dynamo would compile that case apart. The mask hides the headroom.
-        hist = [stage.history(kv, group.key_blocks, plan) for kv in kv_caches]
-        width = hist[0].shape[3]
-        hist_ok = (torch.arange(width)[None, :] < plan.new_positions[:, None])  # [G, W]
-        _mark_dynamic(input_ids, positions, hist, hist_ok)
+        if plan is not None:
+            stage: DecodeStage | None = plan.stage
+            # Whole kept copies, not [:width] slices: a slice is contiguous only when it is
+            # full, and dynamo would compile that case apart. The mask hides the headroom.
+            hist = [plan.stage.history(kv, group.key_blocks, plan) for kv in kv_caches]
+            hist_len = plan.new_positions  # [G]: history positions before the new token
+            new_ok = torch.ones(g, 1, 1, dtype=torch.bool)
+        else:
+            stage = None
+            hist = [_gather(kv, group.key_blocks, g) for kv in kv_caches]
+            hist_len = meta.seq_lens.long() - t
+            new_ok = _new_rows_mask(meta.tree_mask, g, t)
+        hist_ok = torch.arange(hist[0].shape[3])[None, :] < hist_len[:, None]  # [G, W]
+        ids, pos = input_ids.view(g, t), positions.view(g, t)
+        _mark_dynamic(ids, pos, hist, hist_ok, new_ok)
         try:
             # Freezing (weights as constants, packed for oneDNN) is read when a call compiles.
             with torch._inductor.config.patch(freezing=True):
-                hidden, aux, k_new, v_new = self._compiled(input_ids, positions, hist, hist_ok)
+                hidden, aux, k_new, v_new = self._compiled(ids, pos, hist, hist_ok, new_ok)
         except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
             self.error = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log.error("compiled CPU decode failed; decode runs eagerly", exc_info=True,
+            log.error("compiled CPU decode failed; steps run eagerly", exc_info=True,
                       extra={"event": "cpu_compile_failed", "reason": self.error,
                              "traceback": traceback.format_exc()})
-            # The kept copy is still valid for the eager step: `history` changed it only on
+            # A kept copy is still valid for the eager step: `history` changed it only on
             # refresh, which the eager step repeats (after writing its token).
             return None
         for layer, kv in enumerate(kv_caches):
             store_kv(k_new[layer], v_new[layer], kv, meta.slot_mapping)
-            stage.append(kv, plan, k_new[layer], v_new[layer])
-        self.num_steps += 1
+            if stage is not None and plan is not None:
+                stage.append(kv, plan, k_new[layer], v_new[layer])
+        if t == 1:
+            self.num_steps += 1
+        else:
+            self.num_verify_steps += 1
         return hidden, aux
 
     def status(self) -> str:
         if self.error is not None:
             return f"cpu compiled decode off ({self.error})"
-        return f"cpu compiled decode ({self.num_steps} steps)"
+        return (f"cpu compiled decode ({self.num_steps} decode, {self.num_verify_steps} "
+                f"verify steps)")
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                hist: list[torch.Tensor], hist_ok: torch.Tensor
+                hist: list[torch.Tensor], hist_ok: torch.Tensor, new_ok: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """See the module docstring: (hidden [G, H], aux or None, k_new, v_new [L, G, kvh, d])."""
+        """See the module docstring: input ids and positions [G, T] -> (hidden [G * T, H],
+        aux or None, k_new, v_new [L, G * T, kvh, d])."""
         m = self.model
-        h = m.model.embed_tokens(input_ids)
-        cos_sin = m.rotary.cos_sin(positions, h.dtype)
+        h = m.model.embed_tokens(input_ids.reshape(-1))
+        cos_sin = m.rotary.cos_sin(positions.reshape(-1), h.dtype)
         captured = [h] if self._capture_embeddings else []
         keys, values = [], []
         for i, layer in enumerate(m.model.layers):
@@ -163,10 +198,27 @@ class CompiledDecode:
             q, k, v = attn.project(layer.input_layernorm(h), cos_sin)
             keys.append(k)
             values.append(v)
-            out = attend_history_and_new(q, k, v, hist[i][0], hist[i][1], hist_ok, attn.scale)
+            out = attend_history_and_new(q, k, v, hist[i][0], hist[i][1], hist_ok, new_ok,
+                                         attn.scale)
             h = h + attn.o_proj(out.reshape(h.shape[0], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if self._capture_after[i]:
                 captured.append(h)
         aux = torch.cat(captured, dim=-1) if self.capture_layers else None
         return m.model.norm(h), aux, torch.stack(keys), torch.stack(values)
+
+
+def _gather(kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor, num_seqs: int
+            ) -> torch.Tensor:
+    """[2, G, kv_heads, W, d]: each sequence's blocks (key_blocks [G * mb]) in order."""
+    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+    blocks = kv_cache_layer.index_select(1, key_blocks)  # [2, G * mb, bs, kvh, d]
+    return blocks.view(2, num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3).contiguous()
+
+
+def _new_rows_mask(tree_mask: torch.Tensor | None, num_seqs: int, t: int) -> torch.Tensor:
+    """bool [G, T, T]: row i sees the step's key j (bit j of the tree mask; causal without)."""
+    if tree_mask is None:
+        return torch.ones(t, t, dtype=torch.bool).tril().expand(num_seqs, t, t).contiguous()
+    bits = tree_mask.view(num_seqs, t)[:, :, None] >> torch.arange(t)
+    return (bits & 1).bool()

@@ -18,7 +18,7 @@ from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner, PendingOutput
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.spec.controller import SpecController
+from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
 from specd.workers.spec.worker import (
     SpecFigures,
@@ -214,9 +214,7 @@ class EngineCore:
             # Drafts for the next step: after update, which consumes the previous drafts
             # and appends the tokens the drafts continue from.
             event = self.spec.update_controller(self.scheduler.num_running)
-            if event is not None:
-                log.info("speculation %s", "on" if event.enabled else "off",
-                         extra=event.as_dict())
+            _log_switch(event)
             self.spec.propose(updated)
             step_s = self._step_time(t0)
             # A decode-only step in the mode the controller kept is a sample of that mode.
@@ -285,9 +283,7 @@ class EngineCore:
                 raise ValueError(f"spec mode {mode!r} needs a draft model; this engine has "
                                  "none (speculative_algorithm or draft_model unset)")
             return
-        event = self.spec.controller.set_mode(mode, threshold)
-        if event is not None:
-            log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
+        _log_switch(self.spec.controller.set_mode(mode, threshold))
 
     def warmup(self) -> None:
         """Run every path once (prefill, decode, sampling) so the first request pays nothing."""
@@ -298,12 +294,29 @@ class EngineCore:
         while self.has_unfinished():
             self.step()
         if self.runner.compiled_decode is not None:
-            # Batch size 1 is compiled apart from larger ones (cpu_decode.py): compile it now.
-            self.add_request("__warmup_single", ids, SamplingParams(max_tokens=3))
-            while self.has_unfinished():
-                self.step()
+            self._warm_compiled(ids)
         if self.spec is not None:
             self.spec.controller.forget_measurements()  # warm-up steps are not the workload
+
+    def _warm_compiled(self, ids: list[int]) -> None:
+        """Compile every step kind now, not at the first request that needs it: decode and
+        (with a head) verify, each at batch size 1 and >= 2 (cpu_decode.py). Speculation is
+        switched for this (logged, like every switch) and restored."""
+        controller = self.spec.controller if self.spec is not None else None
+        saved = None
+        if controller is not None:
+            saved = (controller.mode, controller.threshold, controller.resume_at)
+        for mode in ("off", "on") if controller is not None else ("off",):
+            if controller is not None:
+                _log_switch(controller.set_mode(mode))
+            for batch in (2, 1):
+                for i in range(batch):
+                    self.add_request(f"__warmup_{mode}_{batch}_{i}", ids,
+                                     SamplingParams(max_tokens=4, ignore_eos=True))
+                while self.has_unfinished():
+                    self.step()
+        if controller is not None and saved is not None:
+            _log_switch(controller.set_mode(*saved))
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -353,6 +366,12 @@ def _build_speculative(config: EngineConfig, model_config: ModelConfig
     controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
                                 measure=config.spec_auto_measure)
     return SpeculativeWorker(config, runner, head, controller)
+
+
+def _log_switch(event: SpecEvent | None) -> None:
+    """One record per speculation switch (with its cause and figures)."""
+    if event is not None:
+        log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
 
 
 def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:

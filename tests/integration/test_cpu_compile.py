@@ -1,9 +1,11 @@
-"""`--cpu-compile`: plain decode on the CPU as one compiled function (workers/cpu_decode.py).
+"""`--cpu-compile`: decode and verify steps on the CPU as one compiled function
+(workers/cpu_decode.py).
 
-The compiled step gives the eager engine's greedy output token for token (float32), with
-the draft head's aux rows kept for speculation, arrivals, an abort and preemption; a
+The compiled steps give the eager engine's greedy output token for token (float32), with
+the draft head's aux rows kept for speculation, verify steps, arrivals, an abort and
+preemption; the attention they use matches SDPA for decode, chain and tree rows; a
 compilation that fails is logged with its traceback and the engine goes on eagerly.
-Compiling takes a while on two cores, so the compiled engine is built once here.
+Compiling takes a while on two cores, so one compiled engine is built here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from scenario import assert_same, run
 
 from specd.workers.config import EngineConfig
-from specd.workers.cpu_decode import attend_history_and_new
+from specd.workers.cpu_decode import _new_rows_mask, attend_history_and_new
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     assert_same(got, eager)
     compiled = core.runner.compiled_decode
     assert compiled is not None and compiled.error is None
-    assert compiled.num_steps > 20
+    assert compiled.num_steps > 20  # plain decode steps compiled
+    assert compiled.num_verify_steps > 0  # and verify steps
     assert core.scheduler.num_preemptions > 0
     assert core.stats().num_accepted > 0  # drafts made from the compiled steps' aux rows
     assert core.resolved.graphs.startswith("cpu compiled decode (")
@@ -56,21 +59,44 @@ def test_a_failed_compilation_is_logged_and_decode_runs_eagerly(
 
 
 @pytest.mark.parametrize("lengths", [[0], [7], [0, 5, 10]], ids=["1-empty", "1", "3"])
-def test_attention_over_history_and_new_token_matches_sdpa(lengths: list[int]) -> None:
-    # Batch 1 and larger batches take different paths (flash kernel vs batched matmuls).
+@pytest.mark.parametrize("rows", ["decode", "chain", "tree"])
+def test_attention_over_history_and_new_rows_matches_sdpa(lengths: list[int], rows: str
+                                                          ) -> None:
+    # Batch 1 and larger batches take different paths (flash kernel vs batched matmuls);
+    # decode has one new row per sequence, verification T (causal, or a draft tree).
     torch.manual_seed(0)
     g, heads, kvh, d, width = len(lengths), 4, 2, 16, 10
-    q = torch.randn(g, heads, d)
-    k_new, v_new = torch.randn(g, kvh, d), torch.randn(g, kvh, d)
+    t = 1 if rows == "decode" else 4
+    parents = [-1, 0, 0, 1]  # the tree: node 0 the root, 1 and 2 its children, 3 under 1
+    if rows == "tree":
+        bits = [1, 0b11, 0b101, 0b1011] * g  # each node sees itself and its ancestors
+        new_ok = _new_rows_mask(torch.tensor(bits), g, t)
+        assert new_ok[0].tolist() == [[j == i or _is_ancestor(parents, j, i) for j in range(t)]
+                                      for i in range(t)]
+    else:
+        new_ok = _new_rows_mask(None, g, t)
+    q = torch.randn(g * t, heads, d)
+    k_new, v_new = torch.randn(g * t, kvh, d), torch.randn(g * t, kvh, d)
     k_hist, v_hist = torch.randn(g, kvh, width, d), torch.randn(g, kvh, width, d)
-    ok = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # history in use
-    got = attend_history_and_new(q, k_new, v_new, k_hist, v_hist, ok, 0.25)
+    hist_ok = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # history in use
+    got = attend_history_and_new(q, k_new, v_new, k_hist, v_hist, hist_ok, new_ok, 0.25)
     for b, n in enumerate(lengths):
-        keys = torch.cat([k_hist[b, :, :n], k_new[b, :, None]], dim=1)  # [kvh, n + 1, d]
-        values = torch.cat([v_hist[b, :, :n], v_new[b, :, None]], dim=1)
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            q[b].view(kvh, heads // kvh, d), keys, values, scale=0.25)
-        torch.testing.assert_close(got[b], expected.reshape(heads, d))
+        for i in range(t):
+            row = b * t + i
+            seen = [b * t + j for j in range(t) if new_ok[b, i, j]]
+            keys = torch.cat([k_hist[b, :, :n], k_new[seen].transpose(0, 1)], dim=1)
+            values = torch.cat([v_hist[b, :, :n], v_new[seen].transpose(0, 1)], dim=1)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q[row].view(kvh, heads // kvh, 1, d).squeeze(2), keys, values, scale=0.25)
+            torch.testing.assert_close(got[row], expected.reshape(heads, d))
+
+
+def _is_ancestor(parents: list[int], j: int, i: int) -> bool:
+    while i >= 0:
+        i = parents[i]
+        if i == j:
+            return True
+    return False
 
 
 def test_cpu_compile_is_refused_on_cuda_and_with_the_graph_stand_in() -> None:
