@@ -11,6 +11,7 @@ import math
 from typing import Protocol, TypeGuard
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specd.workers.model_config import RopeScaling
@@ -106,29 +107,42 @@ class PackedLinear(nn.Module):
     per-call re-layout of the weight that dominates a small-batch bf16 GEMM (about 20% of
     a batch-1 decode step of the fixture)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    packed_weight: torch.Tensor
+    weight: nn.Parameter | None
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1))
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias)
+        # keep_plain: torch.compile cannot lower the packed op (cpu_decode.py); code it
+        # compiles reads this copy instead (its freezing packs it again). Twice the memory.
+        # A parameter, not a buffer: inductor's freezing folds (and packs) parameters.
+        self.weight = nn.Parameter(weight, requires_grad=False) if keep_plain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            if self.weight is None:
+                raise ValueError("a PackedLinear without its plain weight cannot be compiled "
+                                 "(pack_linears_for_cpu(..., keep_plain=True))")
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none",
                                                   [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
+def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
     """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` (where oneDNN
-    is built in); returns how many were replaced."""
+    is built in; keep_plain: see PackedLinear); returns how many were replaced."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if can_pack(child):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, keep_plain))
                 count += 1
     return count
 

@@ -21,13 +21,7 @@ from specd.workers.decode_stage import DecodeStage
 from specd.workers.graphs import GraphRunner, GraphShape, capture_sizes
 from specd.workers.host_copy import HostCopy, upload
 from specd.workers.kv_cache import allocate_kv_cache, kv_block_bytes, num_kv_blocks
-from specd.workers.layers import (
-    LinearFactory,
-    PackedLinear,
-    can_pack,
-    dense_linear,
-    pack_linears_for_cpu,
-)
+from specd.workers.layers import LinearFactory, dense_linear, pack_linears_for_cpu
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
 from specd.workers.sequence import Sequence as Seq
@@ -149,14 +143,9 @@ class ModelRunner:
             make_linear = _linear_factory(self.model_config)
         self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
         # bf16 on the CPU: oneDNN's weight layout once, not per call (layers.PackedLinear).
-        # With cpu_compile the decoder's weights stay plain (inductor cannot lower the packed
-        # op; its freezing packs the compiled step's weights itself); lm_head runs outside.
-        self.num_packed_linears = 0
-        if self.device.type == "cpu" and not config.cpu_compile:
-            self.num_packed_linears = pack_linears_for_cpu(self.model)
-        elif self.device.type == "cpu" and can_pack(self.model.lm_head):
-            self.model.lm_head = PackedLinear(self.model.lm_head)
-            self.num_packed_linears = 1
+        # With cpu_compile each also keeps its plain weight for the compiled steps.
+        self.num_packed_linears = (pack_linears_for_cpu(self.model, config.cpu_compile)
+                                   if self.device.type == "cpu" else 0)
         self.compiled_decode = (CompiledDecode(self.model, self.capture_layers)
                                 if config.cpu_compile else None)
         shapes = _graph_shapes(config, verify_shape) if config.graphs_enabled else ()
