@@ -102,8 +102,12 @@ def _mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, hist: list[t
 class CompiledDecode:
     """The compiled plain-decode step of `model` (CPU), driven by the runner's DecodeStage."""
 
-    def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int]) -> None:
+    def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int],
+                 verify_len: int | None = None) -> None:
         self.model = model
+        # Only verify steps of this many rows per sequence are compiled: drafts cut short
+        # (near max_tokens) would each compile a new T in the middle of serving.
+        self.verify_len = verify_len
         self.capture_layers = tuple(capture_layers)
         # capture_after[i]: keep the residual after block i (layer i + 1 in transformers'
         # numbering), as plain booleans the compiled code reads as constants.
@@ -123,13 +127,13 @@ class CompiledDecode:
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """A step of one group of equal query lengths: plain decode with a kept K/V plan,
-        or a verify step (T > 1 rows per sequence, causal or tree-masked)."""
+        or a verify step of `verify_len` rows per sequence (causal or tree-masked)."""
         if self.error is not None or len(meta.groups) != 1 or not meta.groups[0].is_all_rows:
             return False
         group = meta.groups[0]
         if group.num_query_rows == 1:
             return group.stage_plan is not None
-        return group.stage_plan is None
+        return group.stage_plan is None and group.num_query_rows == self.verify_len
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             kv_caches: Sequence[torch.Tensor]

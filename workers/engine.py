@@ -311,8 +311,9 @@ class EngineCore:
                 _log_switch(controller.set_mode(mode))
             for batch in (2, 1):
                 for i in range(batch):
+                    # Long enough for whole draft trees (shorter ones run eagerly).
                     self.add_request(f"__warmup_{mode}_{batch}_{i}", ids,
-                                     SamplingParams(max_tokens=4, ignore_eos=True))
+                                     SamplingParams(max_tokens=24, ignore_eos=True))
                 while self.has_unfinished():
                     self.step()
         if controller is not None and saved is not None:

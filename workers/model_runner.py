@@ -146,8 +146,10 @@ class ModelRunner:
         # With cpu_compile each also keeps its plain weight for the compiled steps.
         self.num_packed_linears = (pack_linears_for_cpu(self.model, config.cpu_compile)
                                    if self.device.type == "cpu" else 0)
-        self.compiled_decode = (CompiledDecode(self.model, self.capture_layers)
-                                if config.cpu_compile else None)
+        self.compiled_decode = (
+            CompiledDecode(self.model, self.capture_layers,
+                           None if verify_shape is None else verify_shape[0])
+            if config.cpu_compile else None)
         shapes = _graph_shapes(config, verify_shape) if config.graphs_enabled else ()
         self.graphs: GraphRunner | None = None
         reserved = 0
