@@ -33,7 +33,6 @@ from collections.abc import Sequence
 import torch
 
 from specd.workers.attention import AttentionMetadata, store_kv
-from specd.workers.decode_stage import DecodeStage
 from specd.workers.models.decoder import DecoderForCausalLM
 
 log = logging.getLogger("specd.cpu_decode")
@@ -145,14 +144,12 @@ class CompiledDecode:
         g, t = group.num_seqs, group.num_query_rows
         plan = group.stage_plan
         if plan is not None:
-            stage: DecodeStage | None = plan.stage
             # Whole kept copies, not [:width] slices: a slice is contiguous only when it is
             # full, and dynamo would compile that case apart. The mask hides the headroom.
             hist = [plan.stage.history(kv, group.key_blocks, plan) for kv in kv_caches]
             hist_len = plan.new_positions  # [G]: history positions before the new token
             new_ok = torch.ones(g, 1, 1, dtype=torch.bool)
         else:
-            stage = None
             hist = [_gather(kv, group.key_blocks, g) for kv in kv_caches]
             hist_len = meta.seq_lens.long() - t
             new_ok = _new_rows_mask(meta.tree_mask, g, t)
@@ -173,8 +170,8 @@ class CompiledDecode:
             return None
         for layer, kv in enumerate(kv_caches):
             store_kv(k_new[layer], v_new[layer], kv, meta.slot_mapping)
-            if stage is not None and plan is not None:
-                stage.append(kv, plan, k_new[layer], v_new[layer])
+            if plan is not None:
+                plan.stage.append(kv, plan, k_new[layer], v_new[layer])
         if t == 1:
             self.num_steps += 1
         else:

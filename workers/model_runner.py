@@ -245,6 +245,12 @@ class ModelRunner:
         self.last_inputs, self.last_hidden, self.last_aux_hidden = inputs, hidden, aux
         return hidden
 
+    @property
+    def longest_sequence(self) -> int:
+        """The longest sequence the configuration allows (before any KV-cache cap)."""
+        limit = self.model_config.max_model_len
+        return min(self.config.max_model_len or limit, limit)
+
     def _run_model(self, input_ids: torch.Tensor, inputs: StepInputs
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A captured graph if one fits, else the compiled CPU decode if it applies, else
@@ -269,10 +275,9 @@ class ModelRunner:
     def _capture_graphs(self, shapes: Sequence[GraphShape], kv_caches: list[torch.Tensor],
                         pad_block: int) -> GraphRunner:
         """Graphs of the model over `kv_caches` (captured, or empty with `error` set)."""
-        cfg, bs = self.config, self.config.block_size
+        bs = self.config.block_size
         # Longest KV a step can see: the longest sequence plus a draft tree past its end.
-        max_seq_len = min(cfg.max_model_len or self.model_config.max_model_len,
-                          self.model_config.max_model_len) + MAX_TREE_TOKENS
+        max_seq_len = self.longest_sequence + MAX_TREE_TOKENS
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -130,10 +130,8 @@ class SpeculativeWorker:
 
     def _capture_draft_graphs(self) -> DraftGraphs:
         runner, cfg = self.runner, self.config
-        max_len = min(cfg.max_model_len or runner.model_config.max_model_len,
-                      runner.model_config.max_model_len)
         graphs = DraftGraphs(self.draft_loop, capture_sizes(cfg.max_num_seqs),
-                             prefix_widths(max_len), self.head.config.hidden_size,
+                             prefix_widths(runner.longest_sequence), self.head.config.hidden_size,
                              self.draft_kv.dtype, self.device)
         with torch.inference_mode():
             graphs.capture()
