@@ -100,7 +100,6 @@ class EngineCore:
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
         self._last_finish = 0.0
-        self._last_step_switched = False  # the controller switched after the last step
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
         self._num_steps = 0
@@ -210,27 +209,17 @@ class EngineCore:
         updated = self.scheduler.update(batch, output)
         if self.spec is not None:
             controller = self.spec.controller
-            was_enabled = controller.enabled
+            ran_speculating = controller.enabled  # the state this step ran in
             # Drafts for the next step: after update, which consumes the previous drafts
             # and appends the tokens the drafts continue from.
-            event = self.spec.update_controller(self.scheduler.num_running)
-            _log_switch(event)
+            _log_switch(self.spec.update_controller(self.scheduler.num_running))
             self.spec.propose(updated)
             step_s = self._step_time(t0)
-            # A decode-only step in the mode the controller kept is a sample of that mode.
-            # Steps with prefill are left out: a short exploration burst of one mode would
-            # rarely contain one, so counting them would bias the comparison against the
-            # mode that ran longest; the step that switched belongs to neither.
-            speculated = any(s.num_drafts for s in batch.scheduled)
-            steady = all(s.needs_sample and s.num_new_tokens == 1 + s.num_drafts
-                         for s in batch.scheduled)
-            # The first step in a new mode pays one-time costs (plain decode re-gathers the
-            # kept K/V of the whole batch): it is not a sample either.
-            first_in_mode = self._last_step_switched
-            self._last_step_switched = event is not None
-            if (steady and event is None and not first_in_mode and speculated == was_enabled
-                    and step_s > 0):
-                controller.record(len(batch.scheduled), speculated, step_s,
+            # Every step is a sample of the state it ran in, prefill and all (drafting for
+            # the next step included): what a mode yields is its regime's throughput, request
+            # turnover included. The controller leaves out the steps around each switch.
+            if step_s > 0:
+                controller.record(len(batch.scheduled), ran_speculating, step_s,
                                   sum(len(t) for t in output.sampled.values()))
         else:
             self._step_time(t0)

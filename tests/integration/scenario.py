@@ -35,6 +35,7 @@ def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore
         controller = core.spec.controller
         controller.explore_every, controller.explore_steps, controller.min_samples = (
             explore_every, 2, 2)
+        controller.settle_steps = 0
     if after_build is not None:
         after_build(core)
     out: dict[str, list[int]] = {}

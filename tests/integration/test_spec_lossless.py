@@ -88,6 +88,7 @@ def test_measured_auto_exploring_both_modes_stays_lossless() -> None:
     # Flip often (every switch is a chance to lose): short explorations, quick trust.
     controller = core.spec.controller
     controller.explore_every, controller.explore_steps, controller.min_samples = 3, 2, 2
+    controller.settle_steps = 0
     assert _run(core, sampling=long) == expected
     controller = core.spec.controller
     assert controller.num_transitions >= 3

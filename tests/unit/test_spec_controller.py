@@ -95,30 +95,30 @@ def test_negative_batch_size_raises():
 def drive(ctrl: SpecController, batch_size: int, steps: int, on_tok_s: float,
           off_tok_s: float) -> list[SpecEvent]:
     """Run `steps` engine steps at a fixed batch size on a machine where each mode yields
-    the given throughput; record steps as the engine does (not the step that switched)."""
+    the given throughput, as the engine does: decide the next step, then record the one
+    that ran in the state it ran in (the controller picks which steps count)."""
     events = []
     for _ in range(steps):
         speculated = ctrl.enabled
         event = ctrl.update(batch_size)
-        if event is None:
-            ctrl.record(batch_size, speculated, 0.01, round(
-                (on_tok_s if speculated else off_tok_s) * 0.01))
-        else:
+        if event is not None:
             events.append(event)
+        ctrl.record(batch_size, speculated, 0.01, round(
+            (on_tok_s if speculated else off_tok_s) * 0.01))
     return events
 
 
 def test_measured_auto_picks_the_faster_mode_even_against_the_threshold():
     # Threshold 8 says "off" at batch 32, but speculation measures faster there.
     ctrl = SpecController("auto", threshold=8, measure=True)
-    events = drive(ctrl, 32, 40, on_tok_s=900, off_tok_s=600)
+    events = drive(ctrl, 32, 120, on_tok_s=900, off_tok_s=600)
     assert ctrl.enabled
     assert [e.cause for e in events][:2] == ["batch_above_threshold", "explore"]
     on, off = ctrl.figures(32)
     assert (round(on), round(off)) == (900, 600)
     # ... and speculation below the threshold turns off where plain decode is faster.
     ctrl2 = SpecController("auto", threshold=8, measure=True)
-    drive(ctrl2, 4, 40, on_tok_s=300, off_tok_s=500)
+    drive(ctrl2, 4, 120, on_tok_s=300, off_tok_s=500)
     assert not ctrl2.enabled
 
 
@@ -131,7 +131,7 @@ def test_measured_auto_keeps_its_mode_within_the_margin():
 
 def test_measured_auto_re_measures_the_other_mode_and_follows_a_change():
     ctrl = SpecController("auto", threshold=8, measure=True, explore_every=50,
-                          explore_steps=4)
+                          explore_steps=8, settle_steps=2, min_samples=8)
     drive(ctrl, 4, 100, on_tok_s=800, off_tok_s=400)
     assert ctrl.enabled
     # The workload changes: speculation stops paying. The next exploration finds it.
@@ -142,13 +142,14 @@ def test_measured_auto_re_measures_the_other_mode_and_follows_a_change():
     # Exploration is bounded: a few percent of the steps in the other mode.
     explored = drive(ctrl, 4, 1000, on_tok_s=300, off_tok_s=400)
     assert 0 < sum(e.cause == "explore" for e in explored) <= 1000 // 50 + 1
-    assert ctrl.num_steps_on <= 100 + 200 + 1000 * 6 // 50
+    # Each exploration: 2 settling steps, 8 measured, 1 that switches back.
+    assert ctrl.num_steps_on <= 100 + 200 + 1000 * 11 // 50
 
 
 def test_buckets_are_measured_apart():
     ctrl = SpecController("auto", threshold=8, measure=True)
-    drive(ctrl, 2, 40, on_tok_s=400, off_tok_s=100)
-    drive(ctrl, 48, 40, on_tok_s=400, off_tok_s=900)
+    drive(ctrl, 2, 120, on_tok_s=400, off_tok_s=100)
+    drive(ctrl, 48, 120, on_tok_s=400, off_tok_s=900)
     assert ctrl.figures(3)[0] == pytest.approx(400)  # 2 and 3 share a bucket
     assert ctrl.measured_table() == {"2-3": [400.0, 100.0], "32-63": [400.0, 900.0]}
     assert not ctrl.enabled
@@ -162,3 +163,31 @@ def test_record_rejects_nonsense():
         ctrl.record(0, True, 0.01, 3)
     with pytest.raises(ValueError):
         ctrl.record(4, True, 0.0, 3)
+
+
+def test_steps_around_a_switch_are_not_samples():
+    ctrl = SpecController("auto", threshold=8, measure=True, settle_steps=3, min_samples=1)
+    assert ctrl.update(4) is None  # on, below the threshold
+    # The step that ran speculating and after which the state turned off: not a sample.
+    assert ctrl.update(16) is not None and not ctrl.enabled
+    ctrl.record(4, True, 0.01, 40)
+    # The first settle_steps steps of the new state still carry the old regime: not samples.
+    for _ in range(3):
+        ctrl.update(16)
+        ctrl.record(16, False, 0.01, 99)
+    assert ctrl.figures(16) == (0.0, 0.0)
+    assert ctrl.figures(4) == (0.0, 0.0)
+    ctrl.update(16)
+    ctrl.record(16, False, 0.01, 5)
+    assert ctrl.figures(16) == (0.0, pytest.approx(500.0))
+
+
+def test_steps_served_in_on_and_off_teach_auto():
+    # Speculation pays at batch 32 on this machine although the threshold says it does not.
+    ctrl = SpecController("on", threshold=8, measure=True)
+    drive(ctrl, 32, 40, on_tok_s=900, off_tok_s=600)
+    ctrl.set_mode("off")
+    drive(ctrl, 32, 40, on_tok_s=900, off_tok_s=600)
+    event = ctrl.set_mode("auto")
+    assert event is not None and event.enabled and event.cause == "mode_set"
+    assert (round(event.on_tok_s), round(event.off_tok_s)) == (900, 600)

@@ -6,14 +6,20 @@ on again only when it has shrunk to `resume_at` or below (default: three quarter
 threshold), so a batch hovering around the threshold does not flap.
 
 With `measure=True` (the engine's default) "auto" also learns what each mode yields on
-this machine and this workload: the engine reports every decode step (`record`: batch size,
-whether it speculated, its wall time and the tokens it emitted) and the controller
-keeps, per batch-size bucket (powers of two), an average of output tokens per second for
-each mode. Once both modes have been measured in a bucket, the faster one is used there
-(switching only when the other is faster by `margin`, so that noise does not flap it);
-until then the threshold rule above decides. So that a stale figure cannot lock a mode in,
-the other mode is re-measured for `explore_steps` steps after every `explore_every` steps
-in one mode (a bounded cost: a few percent of the steps, at the other mode's speed).
+this machine and this workload: the engine reports every step (`record`: batch size, the
+state it ran in, its wall time and the tokens it emitted; prefill included) and the
+controller keeps, per batch-size bucket (powers of two), an average of output tokens per
+second for each state. Those are regime figures: a mode's cost per request (prefill mixed
+with verification, the draft head's catch-up on new prompts, re-gathered K/V) is paid in
+steps that a decode-only sample would leave out, and those steps are most of the steps at
+high concurrency. The first `settle_steps` steps after each switch are not counted: they
+still carry the other regime's state (its request turnover, its kept K/V). Once both
+states have been measured in a bucket, the faster one is used there (switching only when
+the other is faster by `margin`, so that noise does not flap it); until then the threshold
+rule above decides. So that a stale figure cannot lock a mode in, the other state is
+re-measured for `settle_steps + explore_steps` steps after every `explore_every` steps in
+one state (a bounded cost: a few percent of the steps, at the other mode's speed). Figures
+are kept across `set_mode`: steps served in "on" or "off" teach "auto" too.
 
 Each change of state is returned as one `SpecEvent` (the engine logs it as one structured
 record): what changed, why, and the figures behind the decision.
@@ -24,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
-EWMA_WEIGHT = 0.1  # of the newest step in a bucket's average (about 20 steps remembered)
-MIN_SAMPLES = 8  # steps measured in a mode before its figure is trusted
+EWMA_WEIGHT = 1 / 32  # of the newest step in a bucket's average (one exploration's worth)
+MIN_SAMPLES = 16  # steps measured in a state before its figure is trusted
 
 
 @dataclass(frozen=True)
@@ -106,23 +112,27 @@ class SpecController:
     resume_at: in auto, it turns back on when the batch size is at most this (1..threshold;
     None = `default_resume_at(threshold)`).
     measure: in auto, decide from measured throughput where both modes have figures (see
-    the module docstring); explore_every, explore_steps, margin and min_samples (steps
-    before a figure is trusted) tune that.
+    the module docstring); explore_every, explore_steps, settle_steps (steps after a switch
+    that are not counted), margin and min_samples (steps before a figure is trusted) tune
+    that.
     """
 
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
-                 measure: bool = False, explore_every: int = 256, explore_steps: int = 10,
-                 margin: float = 0.02, min_samples: int = MIN_SAMPLES) -> None:
+                 measure: bool = False, explore_every: int = 2048, explore_steps: int = 32,
+                 settle_steps: int = 16, margin: float = 0.02,
+                 min_samples: int = MIN_SAMPLES) -> None:
         _check(mode, threshold, resume_at)
-        if explore_every < 1 or explore_steps < 1 or not 0 <= margin < 1:
-            raise ValueError(f"need explore_every >= 1, explore_steps >= 1, 0 <= margin < 1; "
-                             f"got {explore_every}, {explore_steps}, {margin}")
+        if explore_every < 1 or explore_steps < 1 or settle_steps < 0 or not 0 <= margin < 1:
+            raise ValueError(f"need explore_every >= 1, explore_steps >= 1, settle_steps >= 0, "
+                             f"0 <= margin < 1; got {explore_every}, {explore_steps}, "
+                             f"{settle_steps}, {margin}")
         self.mode = mode
         self.threshold = threshold
         self.resume_at = default_resume_at(threshold) if resume_at is None else resume_at
         self.measure = measure
         self.explore_every = explore_every
         self.explore_steps = explore_steps
+        self.settle_steps = settle_steps
         self.margin = margin
         self.min_samples = min_samples
         self.enabled = mode != "off"
@@ -132,6 +142,9 @@ class SpecController:
         self.last_batch_size = 0
         self.buckets: dict[int, Bucket] = {}
         self.exploring = 0  # steps left in the current exploration of the other mode
+        # Steps decided in the current state since it was entered (0 right after a switch):
+        # when a step is recorded, the index of that step within its state.
+        self.steps_in_state = 0
 
     def update(self, batch_size: int) -> SpecEvent | None:
         """Decide for the coming step with `batch_size` running sequences; then read
@@ -148,16 +161,22 @@ class SpecController:
                     event = self._switch(False, "batch_above_threshold")
                 elif not self.enabled and batch_size <= self.resume_at:
                     event = self._switch(True, "batch_at_or_below_resume_mark")
+        if event is None:
+            self.steps_in_state += 1
         self.num_steps_on += int(self.enabled)
         return event
 
     def record(self, batch_size: int, speculated: bool, step_s: float, num_tokens: int
                ) -> None:
-        """One decode step's figures (`speculated`: it verified drafts). The engine leaves
-        out steps with prefill and the step that switched (see EngineCore._finish)."""
+        """One finished step's figures; `speculated`: the state it ran in. Called after
+        `update` decided the next step. Not counted: a step followed by a switch (it ran
+        in the old state and its tail already prepared the new one) and the first
+        `settle_steps` steps of each state."""
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
+        if speculated != self.enabled or self.steps_in_state <= self.settle_steps:
+            return
         bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
         (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
 
@@ -203,7 +222,9 @@ class SpecController:
         if current.trusted(self.min_samples) and (not other.trusted(self.min_samples)
                                 or bucket.steps_since_explore >= self.explore_every):
             bucket.steps_since_explore = 0
-            self.exploring = self.explore_steps + 1  # the first step after a switch is skipped
+            # Settling steps, then the measured ones, then one more: the step after which
+            # exploration ends switches back and is not counted.
+            self.exploring = self.settle_steps + self.explore_steps + 1
             return self._switch(not self.enabled, "explore")
         if bucket.on.trusted(self.min_samples) and bucket.off.trusted(self.min_samples):
             want = self._preferred(bucket, batch_size, incumbent=self.enabled)
@@ -243,6 +264,7 @@ class SpecController:
 
     def _switch(self, enabled: bool, cause: str) -> SpecEvent:
         self.enabled = enabled
+        self.steps_in_state = 0
         self.num_transitions += 1
         on, off = self.figures(self.last_batch_size) if self.last_batch_size else (0.0, 0.0)
         return SpecEvent(step=self.num_steps, enabled=enabled, cause=cause, mode=self.mode,
