@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -102,6 +103,12 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
                              timeout_s=max(_timeout(ctx), 600.0))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    # Libraries used after the sweep are checked before it: a missing one must not cost a run.
+    for wanted, module, flag in ((plots, "matplotlib", "--no-plots"),
+                                 (baseline, "transformers", "--no-baseline")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise click.UsageError(f"{module} is not installed; install specd[tools] or pass "
+                                   f"{flag}")
     machine_before = machine_info()
     sweep = run_client_call(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
     points = [bench_report.summarize(p) for p in sweep.points]
@@ -126,9 +133,12 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
         "points": points, "skipped_modes": sweep.skipped, "baseline": baseline_result,
         "targets": bench_report.check_targets(points, baseline_result), "plots": {},
     }
+    # The figures are written before the plots, so that a failure while plotting loses
+    # no measurement; the JSON is written again with the plots' paths.
+    bench_report.write_json(report, out_dir / "bench_serving.json")
     if plots and points:
         report["plots"] = bench_report.write_plots(report, out_dir)
-    bench_report.write_json(report, out_dir / "bench_serving.json")
+        bench_report.write_json(report, out_dir / "bench_serving.json")
     (out_dir / "bench_serving.md").write_text(bench_report.format_markdown(report))
     click.echo(bench_report.format_table(report))
     click.echo(f"wrote {out_dir / 'bench_serving.json'}"

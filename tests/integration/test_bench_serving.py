@@ -164,3 +164,18 @@ def test_tune_spec_measures_or_says_why_not(daemon: Daemon, tmp_path: Path) -> N
     assert args.startswith("SPECD_ARGS=--device cpu --spec-mode ")
     for flag, value in tuning["recommended_flags"].items():
         assert f"{flag} {value}" in args
+
+
+def test_a_missing_plotting_library_is_reported_before_the_sweep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    # No daemon on this socket: the check must come first, or the error would be another.
+    result = CliRunner().invoke(specctl, ["--socket", str(tmp_path / "none.sock"), "bench",
+                                          "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "matplotlib is not installed" in result.output and "--no-plots" in result.output
+    assert not (tmp_path / "out").exists()
