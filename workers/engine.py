@@ -100,6 +100,9 @@ class EngineCore:
         self.overlap = config.overlap_enabled
         self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
         self._last_finish = 0.0
+        # Whether work was left when the last step finished: then the time until the next
+        # step (the scheduler process's messaging, new requests) is part of serving it.
+        self._busy_after_last = False
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
         self._num_steps = 0
@@ -227,11 +230,15 @@ class EngineCore:
         return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
 
     def _step_time(self, t0: float) -> float:
-        """The finished step's share of wall time: since it started, or since the previous
-        step finished if it started earlier (overlapped steps run back to back)."""
+        """The finished step's share of wall time: since the previous step finished if that
+        one left work behind (the gap between steps, spent by the caller on messaging and
+        new requests, is part of the cost of serving: without it a mode that emits more
+        tokens per step, and so more messages, would look cheaper than it is), else since
+        this step started (the engine was idle)."""
         now = time.perf_counter()
-        step_s = now - max(t0, self._last_finish)
+        step_s = now - (self._last_finish if self._busy_after_last else t0)
         self._last_finish = now
+        self._busy_after_last = self.scheduler.has_unfinished()
         return step_s
 
     def _delta(self, seq: Seq, logprobs: list[TokenLogprobs]) -> RequestDelta:
