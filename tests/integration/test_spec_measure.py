@@ -11,6 +11,7 @@ import torch
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
 from specd.workers.sampler import SamplingParams
+from specd.workers.spec.controller import bucket_of
 
 GAP_S = 0.05
 
@@ -28,7 +29,7 @@ def test_time_between_busy_steps_counts_and_idle_time_does_not() -> None:
         core.step()
         steps += 1
         time.sleep(GAP_S)  # the scheduler process sending outputs, reading new requests
-    on = controller.buckets[1].on
+    on = controller.buckets[bucket_of(1)].on
     # Every step after the first paid the gap before it; the first started from idle.
     assert on.samples == steps
     assert on.seconds * steps >= GAP_S * (steps - 1) * 0.99  # a plain mean over < 32 steps

@@ -149,12 +149,36 @@ def test_measured_auto_re_measures_the_other_mode_and_follows_a_change():
 def test_buckets_are_measured_apart():
     ctrl = SpecController("auto", threshold=8, measure=True)
     drive(ctrl, 2, 120, on_tok_s=400, off_tok_s=100)
-    drive(ctrl, 48, 120, on_tok_s=400, off_tok_s=900)
-    assert ctrl.figures(3)[0] == pytest.approx(400)  # 2 and 3 share a bucket
-    assert ctrl.measured_table() == {"2-3": [400.0, 100.0], "32-63": [400.0, 900.0]}
+    drive(ctrl, 48, 300, on_tok_s=400, off_tok_s=900)
+    assert ctrl.figures(2) == (pytest.approx(400), pytest.approx(100))
+    assert ctrl.figures(48) == (pytest.approx(400), pytest.approx(900))
+    table = ctrl.measured_table()
+    assert table["~2"] == [400.0, 100.0] and table["~64"] == [400.0, 900.0]
     assert not ctrl.enabled
-    drive(ctrl, 2, 10, on_tok_s=400, off_tok_s=100)
+    # Back at 2: once the averaged load is back in its bucket, speculation again.
+    drive(ctrl, 2, 200, on_tok_s=400, off_tok_s=100)
     assert ctrl.enabled
+
+
+def test_a_bucket_is_a_load_not_the_batch_size_of_one_step():
+    # One regime: 30 sequences running, every fourth step a prefill that lowers the batch
+    # to 20 and emits little. Its figure is the regime's, in one bucket (about 32).
+    ctrl = SpecController("off", threshold=8, measure=True, settle_steps=0)
+    for i in range(200):
+        ctrl.update(30)
+        prefill = i % 4 == 3
+        ctrl.record(20 if prefill else 30, False, 0.05 if prefill else 0.02,
+                    20 if prefill else 30)
+    assert list(ctrl.measured_table()) == ["~32"]
+    # 3 steps of 30 tokens in 0.02 s and one of 20 in 0.05 s: 110 tokens in 0.11 s.
+    assert ctrl.figures(30)[1] == pytest.approx(1000, rel=0.05)
+
+
+def test_bucket_edges_lie_between_powers_of_two():
+    from specd.workers.spec.controller import bucket_of
+
+    assert [bucket_of(x) for x in (1, 1.4, 1.5, 2, 2.8, 2.9, 24, 31.9, 45, 46, 64)] == [
+        0, 0, 1, 1, 1, 2, 5, 5, 5, 6, 6]
 
 
 def test_record_rejects_nonsense():

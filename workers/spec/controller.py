@@ -8,8 +8,9 @@ threshold), so a batch hovering around the threshold does not flap.
 With `measure=True` (the engine's default) "auto" also learns what each mode yields on
 this machine and this workload: the engine reports every step (`record`: batch size, the
 state it ran in, its wall time and the tokens it emitted; prefill included) and the
-controller keeps, per batch-size bucket (powers of two), an average of output tokens per
-second for each state. Those are regime figures: a mode's cost per request (prefill mixed
+controller keeps, per load bucket (the batch size averaged over recent steps, about a
+power of two; see `bucket_of`), an average of output tokens per second for each state.
+Those are regime figures: a mode's cost per request (prefill mixed
 with verification, the draft head's catch-up on new prompts, re-gathered K/V) is paid in
 steps that a decode-only sample would leave out, and those steps are most of the steps at
 high concurrency. The first `settle_steps` steps after each switch are not counted: they
@@ -27,6 +28,7 @@ record): what changed, why, and the figures behind the decision.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
@@ -86,17 +88,25 @@ class Throughput:
 
 @dataclass
 class Bucket:
-    """Figures for batch sizes [2**(k-1), 2**k): per mode, and the steps run in one mode
-    since the other was last measured."""
+    """Figures for a load of about 2**k sequences (see `bucket_of`): per mode, and the steps
+    run in one mode since the other was last measured."""
 
     on: Throughput = field(default_factory=Throughput)
     off: Throughput = field(default_factory=Throughput)
     steps_since_explore: int = 0
 
 
-def bucket_of(batch_size: int) -> int:
-    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (k = bit length)."""
-    return batch_size.bit_length()
+def bucket_of(load: float) -> int:
+    """The bucket k of a (smoothed) batch size: [2**(k - 1/2), 2**(k + 1/2)), so about 1, 2,
+    4, 8, ... A bucket is centred on its power of two rather than starting at it because a
+    closed loop of C clients keeps somewhat fewer than C sequences running (each request
+    spends its turnaround outside the engine, and the faster mode turns over more often):
+    both modes of one load then fall in one bucket instead of straddling an edge."""
+    return math.floor(math.log2(max(load, 1.0)) + 0.5)
+
+
+def bucket_label(k: int) -> str:
+    return f"~{1 << k}"
 
 
 def default_resume_at(threshold: int) -> int:
@@ -140,6 +150,11 @@ class SpecController:
         self.num_steps_on = 0
         self.num_transitions = 0
         self.last_batch_size = 0
+        # The batch size of recorded steps, averaged like the figures: the key of the bucket
+        # a step is counted in and decided by. A regime's steps vary in batch size (a
+        # prefill lowers it for a step or two) but belong to one regime and one figure.
+        self.load = 0.0
+        self.num_recorded = 0
         self.buckets: dict[int, Bucket] = {}
         self.exploring = 0  # steps left in the current exploration of the other mode
         # Steps decided in the current state since it was entered (0 right after a switch):
@@ -175,40 +190,46 @@ class SpecController:
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
+        w = max(EWMA_WEIGHT, 1.0 / (self.num_recorded + 1))
+        self.load += w * (batch_size - self.load)
+        self.num_recorded += 1
         if speculated != self.enabled or self.steps_in_state <= self.settle_steps:
             return
-        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        bucket = self.buckets.setdefault(bucket_of(self.load), Bucket())
         (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
 
     def forget_measurements(self) -> None:
         """Drop every bucket's figures (after warm-up, whose steps are not the workload)."""
         self.buckets = {}
         self.exploring = 0
+        self.load, self.num_recorded = 0.0, 0
 
-    def figures(self, batch_size: int) -> tuple[float, float]:
-        """(on, off) measured output tokens/s in batch_size's bucket (0 = not measured)."""
-        bucket = self.buckets.get(bucket_of(batch_size))
+    def figures(self, load: float) -> tuple[float, float]:
+        """(on, off) measured output tokens/s in the bucket of `load` (a smoothed batch
+        size; 0 = not measured)."""
+        bucket = self.buckets.get(bucket_of(load))
         return (0.0, 0.0) if bucket is None else (bucket.on.tok_s, bucket.off.tok_s)
 
     def measured_table(self) -> dict[str, list[float]]:
-        """Every bucket's figures: "lo-hi" batch sizes -> [on, off] tokens/s (0 = none)."""
-        table = {}
-        for k, bucket in sorted(self.buckets.items()):
-            if bucket.on.samples or bucket.off.samples:
-                lo, hi = (1 << (k - 1)), (1 << k) - 1
-                label = str(lo) if lo == hi else f"{lo}-{hi}"
-                table[label] = [round(bucket.on.tok_s, 1), round(bucket.off.tok_s, 1)]
-        return table
+        """Every bucket's figures: "~N" (a load of about N sequences) -> [on, off] tokens/s
+        (0 = none)."""
+        return {bucket_label(k): [round(b.on.tok_s, 1), round(b.off.tok_s, 1)]
+                for k, b in sorted(self.buckets.items()) if b.on.samples or b.off.samples}
+
+    def _key(self, batch_size: int) -> int:
+        """The bucket decisions read: the smoothed load's, or the batch size's before any
+        step was recorded."""
+        return bucket_of(self.load if self.num_recorded else batch_size)
 
     def _measured(self, batch_size: int) -> bool:
-        bucket = self.buckets.get(bucket_of(batch_size))
+        bucket = self.buckets.get(self._key(batch_size))
         return (self.measure and bucket is not None and bucket.on.trusted(self.min_samples)
                 and bucket.off.trusted(self.min_samples))
 
     def _decide_measured(self, batch_size: int) -> SpecEvent | None:
         """Exploration first (finish a running one, start a due one), then the faster mode
         where both are measured; None leaves the decision to the threshold rule."""
-        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        bucket = self.buckets.setdefault(self._key(batch_size), Bucket())
         if self.exploring:
             self.exploring -= 1
             if self.exploring:
@@ -253,7 +274,7 @@ class SpecController:
         self.mode, self.threshold, self.resume_at = mode, new_threshold, resume_at
         self.exploring = 0
         if mode == "auto" and self._measured(self.last_batch_size):
-            want = self._preferred(self.buckets[bucket_of(self.last_batch_size)],
+            want = self._preferred(self.buckets[self._key(self.last_batch_size)],
                                    self.last_batch_size, incumbent=self.enabled)
         elif mode == "auto":
             want = self.last_batch_size <= self.threshold if self.enabled else (
@@ -266,7 +287,8 @@ class SpecController:
         self.enabled = enabled
         self.steps_in_state = 0
         self.num_transitions += 1
-        on, off = self.figures(self.last_batch_size) if self.last_batch_size else (0.0, 0.0)
+        load = self.load if self.num_recorded else self.last_batch_size
+        on, off = self.figures(load) if load else (0.0, 0.0)
         return SpecEvent(step=self.num_steps, enabled=enabled, cause=cause, mode=self.mode,
                          batch_size=self.last_batch_size, threshold=self.threshold,
                          resume_at=self.resume_at, on_tok_s=on, off_tok_s=off)
