@@ -179,10 +179,12 @@ class CompiledDecode:
         return hidden, aux
 
     def status(self) -> str:
+        """What is compiled (a fact of start-up: the daemon reports it once, at readiness;
+        the step counters are for tests and profiling)."""
         if self.error is not None:
             return f"cpu compiled decode off ({self.error})"
-        return (f"cpu compiled decode ({self.num_steps} decode, {self.num_verify_steps} "
-                f"verify steps)")
+        verify = "" if self.verify_len is None else f", verify of {self.verify_len} rows"
+        return f"cpu compiled decode (decode{verify})"
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hist: list[torch.Tensor], hist_ok: torch.Tensor, new_ok: torch.Tensor
