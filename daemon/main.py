@@ -64,7 +64,8 @@ ENGINE_HELP = {
     "cuda_graphs": "replay captured forwards for plain decode and verification at a ladder "
                    "of batch sizes (default: on for cuda, off for cpu; on cpu a synchronous "
                    "stand-in for tests).",
-    "cpu_compile": "on cpu, compile decode and verify steps with torch.compile (inductor): "
+    "cpu_compile": "on cpu, compile decode and verify steps and the draft loop with "
+                   "torch.compile (inductor): "
                    "faster small batches; the warm-up compiles each kind at batch size 1 "
                    "and above (minutes on two cores; inductor caches the code on disk).",
     "extra": "KEY=VALUE engine option for experiments (repeatable).",

@@ -375,6 +375,8 @@ def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
     """The target's graphs and the draft loop's, or the compiled CPU decode, for status
     ("off" without either)."""
     if runner.compiled_decode is not None:
+        if spec is not None and spec.compiled_draft is not None:
+            return f"{runner.compiled_decode.status()} | {spec.compiled_draft.status()}"
         return runner.compiled_decode.status()
     if runner.graphs is None:
         return "off"

@@ -39,6 +39,11 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     assert core.scheduler.num_preemptions > 0
     assert core.stats().num_accepted > 0  # drafts made from the compiled steps' aux rows
     assert core.resolved.graphs.startswith("cpu compiled decode (")
+    # The draft loop is compiled too (no CUDA graphs on the CPU), and drafted every tree.
+    assert core.spec is not None and core.spec.compiled_draft is not None
+    assert core.spec.compiled_draft.error is None
+    assert core.spec.compiled_draft.num_calls > 0
+    assert core.resolved.graphs.endswith("| draft loop compiled")
 
 
 def test_a_failed_compilation_is_logged_and_decode_runs_eagerly(
@@ -97,6 +102,27 @@ def _is_ancestor(parents: list[int], j: int, i: int) -> bool:
         if i == j:
             return True
     return False
+
+
+def test_a_failed_draft_loop_compilation_is_logged_once_and_drafting_goes_on_eagerly(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from specd.workers.spec.cpu_draft import CompiledDraftLoop
+    from specd.workers.spec.draft_graphs import DraftInputs
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("C++ compile error: no compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
+    compiled = CompiledDraftLoop(lambda inputs: pytest.fail("the eager loop is the caller's"))
+    inputs = DraftInputs(last_out=torch.zeros(1, 8), prefix_slots=torch.zeros(1, 4).long(),
+                         prefix_ok=torch.ones(1, 4, dtype=torch.bool),
+                         roots=torch.zeros(1).long(), root_ids=torch.zeros(1).long())
+    with caplog.at_level(logging.ERROR, logger="specd.cpu_draft"):
+        assert compiled.run(inputs) is None  # the caller drafts eagerly
+        assert compiled.run(inputs) is None
+    records = [r for r in caplog.records if getattr(r, "event", "") == "cpu_compile_failed"]
+    assert len(records) == 1 and records[0].exc_info is not None
+    assert compiled.status().startswith("draft loop eager (compilation failed")
 
 
 def test_cpu_compile_is_refused_on_cuda_and_with_the_graph_stand_in() -> None:

@@ -40,6 +40,7 @@ from specd.workers.model_runner import ModelRunner, PendingOutput, StepInputs, _
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.accept import accept_tree
 from specd.workers.spec.controller import SpecController, SpecEvent
+from specd.workers.spec.cpu_draft import CompiledDraftLoop
 from specd.workers.spec.draft_graphs import DraftGraphs, DraftInputs, prefix_widths
 from specd.workers.spec.draft_model import DraftConfig, DraftHead
 from specd.workers.spec.streams import DraftStreams
@@ -127,6 +128,9 @@ class SpeculativeWorker:
                                    drafted_at_depth=[0] * self.num_steps)
         # Last, once everything the draft loop reads is set: its captured graphs.
         self.draft_graphs = self._capture_draft_graphs() if config.graphs_enabled else None
+        # Without graphs, `--cpu-compile` compiles the draft loop instead.
+        self.compiled_draft = (CompiledDraftLoop(self.draft_loop)
+                               if config.cpu_compile and self.draft_graphs is None else None)
 
     def _capture_draft_graphs(self) -> DraftGraphs:
         runner, cfg = self.runner, self.config
@@ -409,6 +413,10 @@ class SpeculativeWorker:
             return self.draft_graphs.run(shape, inputs)
         if self.draft_graphs is not None:
             self.draft_graphs.num_eager += 1
+        if self.compiled_draft is not None:
+            result = self.compiled_draft.run(inputs)
+            if result is not None:
+                return result
         return self.draft_loop(inputs)
 
     def _draft_inputs(self, seqs: list[Seq], last_out: torch.Tensor, width: int

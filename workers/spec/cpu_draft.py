@@ -1,0 +1,75 @@
+"""The draft loop on the CPU as one compiled function (`--cpu-compile`).
+
+At batch 1 the draft loop is five head forwards of a handful of small ops each, plus the
+tree bookkeeping: ~40% of a speculative step on the fixture, mostly per-op overhead, as
+plain decode was before `cpu_decode.py`. On CUDA the loop is a captured graph
+(`draft_graphs.py`); on the CPU, with `--cpu-compile`, it is compiled by torch.compile
+(inductor) instead. Batch size and prefix width are dynamic, so one compilation serves
+every width at batch 1 and one every batch above (both made in the warm-up).
+
+Contract: `run(inputs)` returns what `SpeculativeWorker.draft_loop(inputs)` returns, or
+None if compilation failed (one ERROR record with the traceback; every later call returns
+None at once and the caller drafts eagerly; `status` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from specd.workers.spec.draft_graphs import DraftInputs
+from specd.workers.spec.tree import DraftTree
+
+log = logging.getLogger("specd.cpu_draft")
+
+DraftLoop = Callable[[DraftInputs], tuple[DraftTree, torch.Tensor]]
+
+
+class CompiledDraftLoop:
+    """`loop` (the worker's `draft_loop`) compiled for the CPU."""
+
+    def __init__(self, loop: DraftLoop) -> None:
+        self._loop = loop
+
+        def tensors_in(last_out: torch.Tensor, prefix_slots: torch.Tensor,
+                       prefix_ok: torch.Tensor, roots: torch.Tensor, root_ids: torch.Tensor
+                       ) -> tuple[DraftTree, torch.Tensor]:
+            return loop(DraftInputs(last_out=last_out, prefix_slots=prefix_slots,
+                                    prefix_ok=prefix_ok, roots=roots, root_ids=root_ids))
+
+        # The head never changes after load: guards on its modules are skipped, as in
+        # cpu_decode (the inputs' shapes and dtypes are still guarded).
+        self._compiled = torch.compile(
+            tensors_in, dynamic=None,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.error: str | None = None
+        self.num_calls = 0
+
+    def run(self, inputs: DraftInputs) -> tuple[DraftTree, torch.Tensor] | None:
+        if self.error is not None:
+            return None
+        args = (inputs.last_out, inputs.prefix_slots, inputs.prefix_ok, inputs.roots,
+                inputs.root_ids)
+        if inputs.last_out.shape[0] > 1:  # batch 1 compiles apart anyway
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 0)
+        for t in (inputs.prefix_slots, inputs.prefix_ok):
+            torch._dynamo.mark_dynamic(t, 1)
+        try:
+            result = self._compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
+            self.error = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log.error("compiled CPU draft loop failed; drafting runs eagerly", exc_info=True,
+                      extra={"event": "cpu_compile_failed", "reason": self.error,
+                             "traceback": traceback.format_exc()})
+            return None
+        self.num_calls += 1
+        return result
+
+    def status(self) -> str:
+        if self.error is not None:
+            return f"draft loop eager ({self.error})"
+        return "draft loop compiled"
