@@ -1,9 +1,9 @@
 """`--cpu-compile`: decode and verify steps on the CPU as one compiled function
-(workers/cpu_decode.py).
+(workers/cpu_decode.py), and the draft loop as another (workers/spec/cpu_draft.py).
 
-The compiled steps give the eager engine's greedy output token for token (float32), with
-the draft head's aux rows kept for speculation, verify steps, arrivals, an abort and
-preemption; the attention they use matches SDPA for decode, chain and tree rows; a
+The compiled steps and drafts give the eager engine's greedy output token for token
+(float32), with the draft head's aux rows kept for speculation, verify steps, arrivals, an
+abort and preemption; the attention they use matches SDPA for decode, chain and tree rows; a
 compilation that fails is logged with its traceback and the engine goes on eagerly.
 Compiling takes a while on two cores, so one compiled engine is built here.
 """
