@@ -86,6 +86,15 @@ def attend_history_and_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
             .to(q.dtype))
 
 
+def report_compile_failure(logger: logging.Logger, message: str, exc: Exception) -> str:
+    """Log a failed compilation once, as one ERROR record with the reason and traceback
+    (event `cpu_compile_failed`; call from the except block); returns the reason for status."""
+    reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+    logger.error(message, exc_info=True, extra={"event": "cpu_compile_failed", "reason": reason,
+                                                "traceback": traceback.format_exc()})
+    return reason
+
+
 def _mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, hist: list[torch.Tensor],
                   hist_ok: torch.Tensor, new_ok: torch.Tensor) -> None:
     """Batch size G (unless 1: dynamo compiles size 1 apart anyway) and history width W."""
@@ -161,10 +170,8 @@ class CompiledDecode:
             with torch._inductor.config.patch(freezing=True):
                 hidden, aux, k_new, v_new = self._compiled(ids, pos, hist, hist_ok, new_ok)
         except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
-            self.error = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log.error("compiled CPU decode failed; steps run eagerly", exc_info=True,
-                      extra={"event": "cpu_compile_failed", "reason": self.error,
-                             "traceback": traceback.format_exc()})
+            self.error = report_compile_failure(log, "compiled CPU decode failed; steps run "
+                                                "eagerly", exc)
             # A kept copy is still valid for the eager step: `history` changed it only on
             # refresh, which the eager step repeats (after writing its token).
             return None

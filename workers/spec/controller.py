@@ -60,6 +60,13 @@ class SpecEvent:
                 "on_tok_s": round(self.on_tok_s, 1), "off_tok_s": round(self.off_tok_s, 1)}
 
 
+def ewma_weight(num_samples: int) -> float:
+    """Weight of the newest of `num_samples + 1` samples in a running average: a plain mean
+    until the average spans its window (so that the first step, often a prefill, does not
+    weigh more than any other), then EWMA_WEIGHT."""
+    return max(EWMA_WEIGHT, 1.0 / (num_samples + 1))
+
+
 @dataclass
 class Throughput:
     """Output tokens per second in one mode and bucket: running averages of the tokens and
@@ -71,9 +78,7 @@ class Throughput:
     samples: int = 0
 
     def add(self, num_tokens: int, step_s: float) -> None:
-        # A plain mean until the average spans its window, so that the first step (often
-        # a prefill) does not weigh more than any other.
-        w = max(EWMA_WEIGHT, 1.0 / (self.samples + 1))
+        w = ewma_weight(self.samples)
         self.tokens = (1 - w) * self.tokens + w * num_tokens
         self.seconds = (1 - w) * self.seconds + w * step_s
         self.samples += 1
@@ -190,8 +195,7 @@ class SpecController:
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
-        w = max(EWMA_WEIGHT, 1.0 / (self.num_recorded + 1))
-        self.load += w * (batch_size - self.load)
+        self.load += ewma_weight(self.num_recorded) * (batch_size - self.load)
         self.num_recorded += 1
         if speculated != self.enabled or self.steps_in_state <= self.settle_steps:
             return
@@ -216,10 +220,13 @@ class SpecController:
         return {bucket_label(k): [round(b.on.tok_s, 1), round(b.off.tok_s, 1)]
                 for k, b in sorted(self.buckets.items()) if b.on.samples or b.off.samples}
 
+    def _load_or(self, batch_size: int) -> float:
+        """The smoothed load, or `batch_size` before any step was recorded."""
+        return self.load if self.num_recorded else batch_size
+
     def _key(self, batch_size: int) -> int:
-        """The bucket decisions read: the smoothed load's, or the batch size's before any
-        step was recorded."""
-        return bucket_of(self.load if self.num_recorded else batch_size)
+        """The bucket decisions read."""
+        return bucket_of(self._load_or(batch_size))
 
     def _measured(self, batch_size: int) -> bool:
         bucket = self.buckets.get(self._key(batch_size))
@@ -287,7 +294,7 @@ class SpecController:
         self.enabled = enabled
         self.steps_in_state = 0
         self.num_transitions += 1
-        load = self.load if self.num_recorded else self.last_batch_size
+        load = self._load_or(self.last_batch_size)
         on, off = self.figures(load) if load else (0.0, 0.0)
         return SpecEvent(step=self.num_steps, enabled=enabled, cause=cause, mode=self.mode,
                          batch_size=self.last_batch_size, threshold=self.threshold,

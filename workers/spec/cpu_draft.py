@@ -15,11 +15,11 @@ None at once and the caller drafts eagerly; `status` says why).
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable
 
 import torch
 
+from specd.workers.cpu_decode import report_compile_failure
 from specd.workers.spec.draft_graphs import DraftInputs
 from specd.workers.spec.tree import DraftTree
 
@@ -61,10 +61,8 @@ class CompiledDraftLoop:
         try:
             result = self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
-            self.error = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log.error("compiled CPU draft loop failed; drafting runs eagerly", exc_info=True,
-                      extra={"event": "cpu_compile_failed", "reason": self.error,
-                             "traceback": traceback.format_exc()})
+            self.error = report_compile_failure(log, "compiled CPU draft loop failed; "
+                                                "drafting runs eagerly", exc)
             return None
         self.num_calls += 1
         return result
