@@ -57,6 +57,9 @@ class BenchConfig:
         request when the previous one ends).
     num_requests: requests per point (None: max(8, 2 * concurrency)).
     max_duration_s: stop sending new requests at a point after this long (None: no limit).
+    rounds: each concurrency is measured this many times per mode, the modes interleaved
+        and their order rotated from round to round (a machine that drifts by tens of
+        percent within minutes then biases no mode); targets read the medians.
     """
 
     modes: tuple[str, ...] = MODES
@@ -67,6 +70,7 @@ class BenchConfig:
     max_tokens: int = 64
     seed: int = 0
     timeout_s: float = 600.0
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         if not self.modes or any(mode not in MODES for mode in self.modes):
@@ -79,6 +83,8 @@ class BenchConfig:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.max_duration_s is not None and not self.max_duration_s > 0:
             raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2 (TPOT needs two tokens), "
                              f"got {self.max_tokens}")
@@ -187,6 +193,7 @@ class PointRun:
     mode: str
     concurrency: int
     request_rate: float | None
+    round: int  # 1-based
     wall_s: float
     records: tuple[RequestRecord, ...]
     errors: dict[str, int]  # error code -> count
@@ -196,7 +203,7 @@ class PointRun:
 
 
 async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig, mode: str,
-                    concurrency: int, progress: Progress) -> PointRun:
+                    concurrency: int, progress: Progress, round_index: int = 1) -> PointRun:
     """Send `config.requests_at(concurrency)` requests (closed loop or Poisson) and time
     them; the engine is sampled every STATS_INTERVAL_S meanwhile."""
     num_requests = config.requests_at(concurrency)
@@ -228,8 +235,8 @@ async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig
         with contextlib.suppress(asyncio.CancelledError):  # a sampler failure propagates
             await sampler
     stats_after = await client.stats()
-    return PointRun(mode, concurrency, config.request_rate, wall, tuple(records), errors,
-                    tuple(samples), stats_before, stats_after)
+    return PointRun(mode, concurrency, config.request_rate, round_index, wall, tuple(records),
+                    errors, tuple(samples), stats_before, stats_after)
 
 
 Send = Callable[[int], Awaitable[None]]  # sends prompt `index` and records the outcome
@@ -271,6 +278,14 @@ async def _sample_engine(client: BenchClient, samples: list[EngineSample]) -> No
         await asyncio.sleep(STATS_INTERVAL_S)
 
 
+def round_order(modes: list[str], round_index: int) -> list[str]:
+    """The modes in the order round `round_index` (1-based) runs them: rotated by one per
+    round, so that over len(modes) rounds each mode runs once in each position (first
+    after a concurrency change, right after each other mode)."""
+    shift = (round_index - 1) % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
 @dataclass(frozen=True)
 class SweepRun:
     """Every point of every mode that could run; `skipped` says why a mode did not."""
@@ -296,19 +311,24 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig) -> SweepRun:
                          "false: no draft model, or speculation not built in)"
                    for mode in config.modes if mode not in runnable}
         progress = Progress(sum(config.requests_at(c) for c in config.concurrencies)
-                            * len(runnable))
+                            * len(runnable) * config.rounds)
         points = []
         try:
             # modes interleaved at each concurrency: the figures compared with each other
             # are taken minutes apart at most, not a whole sweep apart
             for concurrency in config.concurrencies:
-                for mode in runnable:
-                    if speculative:
-                        await client.set_spec(mode)
-                    await client.timed_request(prompts[0], SamplingParams(max_tokens=4))  # warm
-                    progress.begin(f"{mode} c={concurrency}")
-                    points.append(await run_point(client, prompts, config, mode, concurrency,
-                                                  progress))
+                for round_index in range(1, config.rounds + 1):
+                    for mode in round_order(runnable, round_index):
+                        if speculative:
+                            await client.set_spec(mode)
+                        await client.timed_request(prompts[0],
+                                                   SamplingParams(max_tokens=4))  # warm
+                        label = f"{mode} c={concurrency}"
+                        if config.rounds > 1:
+                            label += f" round {round_index}/{config.rounds}"
+                        progress.begin(label)
+                        points.append(await run_point(client, prompts, config, mode,
+                                                      concurrency, progress, round_index))
         finally:
             progress.close()
             if speculative:

@@ -4,13 +4,15 @@ the JSON report and the PNG plots (matplotlib, imported only when plots are writ
 Every latency is in milliseconds and summarized as mean/p50/p90/p99 (linear interpolation
 between order statistics). Targets (issue 8): `auto` at least AUTO_TARGET times the better
 of `on` and `off` at every concurrency; specd at batch 1 (spec on) at least
-BASELINE_TARGET times transformers `generate()`.
+BASELINE_TARGET times transformers `generate()`. With several rounds per point, the
+targets and the plots read each mode's median over the rounds (`medians`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,7 @@ def summarize(point: PointRun) -> dict[str, Any]:
         "mode": point.mode,
         "concurrency": point.concurrency,
         "request_rate": point.request_rate,
+        "round": point.round,
         "num_requests": len(records),
         "num_errors": sum(point.errors.values()),
         "errors": dict(point.errors),
@@ -116,11 +119,40 @@ def summarize(point: PointRun) -> dict[str, Any]:
     }
 
 
+def _by_point(points: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """(mode, concurrency) -> its rounds, in round order."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for p in sorted(points, key=lambda p: p.get("round", 1)):
+        groups.setdefault((p["mode"], p["concurrency"]), []).append(p)
+    return groups
+
+
+def medians(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (mode, concurrency): the median over its rounds of output tokens/s, of
+    TPOT p50 and of the speculation share, and each round's throughput (in round order)."""
+    rows = []
+    for (mode, concurrency), group in _by_point(points).items():
+        rows.append({
+            "mode": mode, "concurrency": concurrency, "rounds": len(group),
+            "output_tokens_per_s": statistics.median(p["output_tokens_per_s"] for p in group),
+            "tpot_p50_ms": statistics.median(p["tpot_ms"]["p50"] for p in group),
+            "spec_share": statistics.median(p["spec_share"] for p in group),
+            "output_tokens_per_s_by_round": [p["output_tokens_per_s"] for p in group],
+        })
+    order = ("off", "on", "auto")
+    return sorted(rows, key=lambda r: (order.index(r["mode"]), r["concurrency"]))
+
+
 def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
                   ) -> dict[str, Any]:
     """auto vs the better of on/off at each concurrency, and batch-1 spec-on vs the
-    transformers baseline; a target that cannot be judged (a mode missing) is None."""
-    by_key = {(p["mode"], p["concurrency"]): p["output_tokens_per_s"] for p in points}
+    transformers baseline, each on the medians over rounds (`medians`); a target that
+    cannot be judged (a mode missing) is None. auto_vs_best rows also carry each round's
+    own ratio (auto over the better of on and off measured in the same round)."""
+    by_key = {key: statistics.median(p["output_tokens_per_s"] for p in group)
+              for key, group in _by_point(points).items()}
+    by_round = {(p["mode"], p["concurrency"], p.get("round", 1)): p["output_tokens_per_s"]
+                for p in points}
     auto_rows = []
     for concurrency in sorted({p["concurrency"] for p in points}):
         auto = by_key.get(("auto", concurrency))
@@ -129,8 +161,14 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
         if auto is None or len(others) < 2:
             continue
         ratio = auto / max(others)
+        round_ratios = []
+        for r in sorted({k[2] for k in by_round if k[:2] == ("auto", concurrency)}):
+            same = [by_round.get((mode, concurrency, r)) for mode in ("on", "off")]
+            if all(x is not None for x in same):
+                round_ratios.append(by_round[("auto", concurrency, r)]
+                                    / max(x for x in same if x is not None))
         auto_rows.append({"concurrency": concurrency, "auto_over_best": ratio,
-                          "met": ratio >= AUTO_TARGET})
+                          "met": ratio >= AUTO_TARGET, "by_round": round_ratios})
     specd_b1 = by_key.get(("on", 1))
     versus: dict[str, Any] = {"specd_mode": "on", "specd_tokens_per_s": specd_b1,
                               "baseline_tokens_per_s": None, "ratio": None, "met": None}
@@ -150,18 +188,28 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
 def _points_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The points mode by mode (off, on, auto), each by concurrency."""
     order = ("off", "on", "auto")
-    return sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"]))
+    return sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"],
+                                                   p.get("round", 1)))
+
+
+def _several_rounds(report: dict[str, Any]) -> bool:
+    return any(p.get("round", 1) > 1 for p in report["points"])
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The terminal table: one row per point, then the targets."""
-    head = (f"{'mode':<5} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'req/s':>6} "
+    """The terminal table: one row per point (and round), the medians over rounds when
+    there are several, then the targets."""
+    rounds = _several_rounds(report)
+    head = (f"{'mode':<5} {'conc':>4} " + (f"{'rnd':>3} " if rounds else "")
+            + f"{'reqs':>4} {'tok/s':>8} {'req/s':>6} "
             f"{'ttft p50':>8} {'ttft p99':>8} {'tpot p50':>8} {'itl p50':>8} {'itl p90':>8} "
             f"{'itl p99':>8} {'acc len':>7} {'spec':>5} {'batch':>5}")
     lines = [head, "-" * len(head)]
     for p in _points_in_order(report):
         lines.append(
-            f"{p['mode']:<5} {p['concurrency']:>4} {p['num_requests']:>4} "
+            f"{p['mode']:<5} {p['concurrency']:>4} "
+            + (f"{p.get('round', 1):>3} " if rounds else "")
+            + f"{p['num_requests']:>4} "
             f"{p['output_tokens_per_s']:>8.1f} {p['requests_per_s']:>6.2f} "
             f"{p['ttft_ms']['p50']:>8.1f} {p['ttft_ms']['p99']:>8.1f} "
             f"{p['tpot_ms']['p50']:>8.2f} {p['itl_ms']['p50']:>8.2f} "
@@ -170,6 +218,13 @@ def format_table(report: dict[str, Any]) -> str:
             + (f"  errors {p['errors']}" if p["num_errors"] else ""))
     lines.append("(latencies in ms; acc len = tokens per verify pass, 1 without speculation; "
                  "spec = share of output tokens from speculative steps)")
+    if rounds:
+        lines.append("medians over rounds:")
+        for row in medians(report["points"]):
+            lines.append(f"  {row['mode']:<5} c={row['concurrency']:<3} "
+                         f"{row['output_tokens_per_s']:>8.1f} tok/s  tpot p50 "
+                         f"{row['tpot_p50_ms']:.2f} ms  spec {row['spec_share']:.2f}  "
+                         f"({row['rounds']} rounds)")
     for mode, reason in report["skipped_modes"].items():
         lines.append(f"mode {mode} skipped: {reason}")
     baseline = report.get("baseline")
@@ -180,9 +235,12 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{baseline['assisted_generation']['verdict']}")
     targets = report["targets"]
     for row in targets["auto_vs_best"]:
+        by_round = row.get("by_round") or []
         lines.append(f"auto / best(on, off) at c={row['concurrency']}: "
                      f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'NOT met'}, "
-                     f"target {targets['auto_target']})")
+                     f"target {targets['auto_target']})"
+                     + (f"; by round {', '.join(f'{x:.2f}' for x in by_round)}"
+                        if rounds and by_round else ""))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
         lines.append(f"specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
@@ -197,8 +255,9 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
-    """throughput vs concurrency per mode, TPOT p50 vs concurrency per mode, histogram of
-    per-request acceptance lengths per mode; returns {plot name: file path}."""
+    """throughput vs concurrency per mode, TPOT p50 vs concurrency per mode (medians over
+    rounds), histogram of per-request acceptance lengths per mode; returns {plot name: file
+    path}."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede pyplot
@@ -206,15 +265,16 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     points = report["points"]
+    lines = medians(points)  # one value per mode and concurrency: the median over rounds
     modes = sorted({p["mode"] for p in points}, key=lambda mode: ("off", "on", "auto").index(mode))
     paths = {name: out_dir / file for name, file in PLOT_FILES.items()}
     for name, key, label in (("throughput", "output_tokens_per_s", "output tokens/s"),
-                             ("tpot", "tpot_ms", "TPOT p50 (ms)")):
+                             ("tpot", "tpot_p50_ms", "TPOT p50 (ms)")):
         fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
         for mode in modes:
-            rows = [p for p in points if p["mode"] == mode]
-            ys = [p[key]["p50"] if isinstance(p[key], dict) else p[key] for p in rows]
-            ax.plot([p["concurrency"] for p in rows], ys, marker="o", label=f"spec {mode}")
+            rows = [r for r in lines if r["mode"] == mode]
+            ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], marker="o",
+                    label=f"spec {mode}")
         ax.set_xscale("log", base=2)
         concurrencies = sorted({p["concurrency"] for p in points})
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
@@ -250,15 +310,29 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
 
 def format_markdown(report: dict[str, Any]) -> str:
     """The points and targets as a Markdown table (for docs/benchmarks.md)."""
-    lines = ["| mode | concurrency | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 ms | "
+    rounds = _several_rounds(report)
+    lines = ["| mode | concurrency | " + ("round | " if rounds else "")
+             + "output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 ms | "
              "ITL p50 / p90 / p99 ms | acceptance length | spec share |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | " + ("---: | " if rounds else "")
+             + "---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in _points_in_order(report):
         lines.append(
-            f"| {p['mode']} | {p['concurrency']} | {p['output_tokens_per_s']:.1f} | "
+            f"| {p['mode']} | {p['concurrency']} | "
+            + (f"{p.get('round', 1)} | " if rounds else "")
+            + f"{p['output_tokens_per_s']:.1f} | "
             f"{p['requests_per_s']:.2f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
             f"{p['tpot_ms']['p50']:.1f} | {p['itl_ms']['p50']:.1f} / {p['itl_ms']['p90']:.1f} / "
             f"{p['itl_ms']['p99']:.1f} | {p['acceptance_length']:.2f} | {p['spec_share']:.2f} |")
+    if rounds:
+        lines += ["", "Medians over rounds:", "",
+                  "| mode | concurrency | output tok/s | TPOT p50 ms | spec share | by round |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for row in medians(report["points"]):
+            figures = ", ".join(f"{x:.1f}" for x in row["output_tokens_per_s_by_round"])
+            lines.append(f"| {row['mode']} | {row['concurrency']} | "
+                         f"{row['output_tokens_per_s']:.1f} | {row['tpot_p50_ms']:.1f} | "
+                         f"{row['spec_share']:.2f} | {figures} |")
     baseline = report.get("baseline")
     if baseline is not None:
         lines += ["", f"transformers `generate()` at batch 1: {baseline['tokens_per_s']:.1f} "
@@ -266,8 +340,11 @@ def format_markdown(report: dict[str, Any]) -> str:
                       "tokens, greedy)."]
     targets = report["targets"]
     for row in targets["auto_vs_best"]:
+        by_round = row.get("by_round") or []
         lines.append(f"- auto / best(on, off) at concurrency {row['concurrency']}: "
-                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'})")
+                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'})"
+                     + (f"; by round {', '.join(f'{x:.2f}' for x in by_round)}"
+                        if rounds and by_round else ""))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
         lines.append(f"- specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "

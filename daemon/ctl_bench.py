@@ -76,6 +76,9 @@ def machine_info() -> dict[str, Any]:
               help="seconds per point after which no new request is sent")
 @click.option("--max-tokens", type=int, default=64, show_default=True,
               help="output tokens per request (ignore_eos: every request makes them all)")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="measure each point this many times per mode (modes interleaved, order "
+              "rotated per round); the targets and plots use each mode's median")
 @click.option("--out-dir", type=click.Path(path_type=Path), default=Path("bench_out/serving"),
               show_default=True, help="where bench_serving.json, bench_serving.md (the table in "
               "Markdown) and the PNG plots go")
@@ -88,7 +91,7 @@ def machine_info() -> dict[str, Any]:
 @click.pass_context
 def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: float | None,
           num_requests: int | None, max_duration: float | None, max_tokens: int,
-          out_dir: Path, plots: bool, baseline: bool, baseline_prompts: int,
+          rounds: int, out_dir: Path, plots: bool, baseline: bool, baseline_prompts: int,
           baseline_model: Path | None) -> None:
     """Serving benchmark against the running daemon: a concurrency sweep per speculation
     mode; prints a table, writes JSON and PNG plots."""
@@ -100,7 +103,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
                              concurrencies=_int_list(concurrency_text),
                              request_rate=request_rate, num_requests=num_requests,
                              max_duration_s=max_duration, max_tokens=max_tokens,
-                             timeout_s=max(_timeout(ctx), 600.0))
+                             rounds=rounds, timeout_s=max(_timeout(ctx), 600.0))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     # Libraries used after the sweep are checked before it: a missing one must not cost a run.
@@ -129,8 +132,10 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
         "load_average_1m_after": os.getloadavg()[0], "daemon": sweep.daemon,
         "config": {"modes": list(config.modes), "concurrencies": list(config.concurrencies),
                    "request_rate": config.request_rate, "max_tokens": config.max_tokens,
-                   "num_requests": config.num_requests, "max_duration_s": config.max_duration_s},
-        "points": points, "skipped_modes": sweep.skipped, "baseline": baseline_result,
+                   "num_requests": config.num_requests, "max_duration_s": config.max_duration_s,
+                   "rounds": config.rounds},
+        "points": points, "medians": bench_report.medians(points),
+        "skipped_modes": sweep.skipped, "baseline": baseline_result,
         "targets": bench_report.check_targets(points, baseline_result), "plots": {},
     }
     # The figures are written before the plots, so that a failure while plotting loses

@@ -22,9 +22,9 @@ NUM_REQUESTS = 3
 CONCURRENCIES = (1, 2)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_KEYS = {"benchmark", "date", "command", "machine", "load_average_1m_after", "daemon",
-               "config", "points", "skipped_modes", "baseline", "targets", "plots"}
-POINT_KEYS = {"mode", "concurrency", "request_rate", "num_requests", "num_errors", "errors",
-              "wall_s", "output_tokens_per_s", "requests_per_s", "num_output_tokens",
+               "config", "points", "medians", "skipped_modes", "baseline", "targets", "plots"}
+POINT_KEYS = {"mode", "concurrency", "request_rate", "round", "num_requests", "num_errors",
+              "errors", "wall_s", "output_tokens_per_s", "requests_per_s", "num_output_tokens",
               "num_received_tokens", "num_prompt_tokens", "ttft_ms", "tpot_ms", "itl_ms",
               "e2e_ms", "acceptance_length", "acceptance_lengths", "num_drafted",
               "num_accepted", "spec_share", "spec_share_source", "mean_batch", "max_kv_use"}
@@ -138,6 +138,27 @@ def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
     assert point["num_output_tokens"] == point["num_received_tokens"] \
         == NUM_REQUESTS * MAX_TOKENS
     assert report["baseline"] is None and report["plots"] == {}
+
+
+def test_rounds_interleave_the_modes_and_targets_read_the_medians(
+        daemon: Daemon, tmp_path: Path) -> None:
+    report, table = _bench(daemon, tmp_path, "--modes", "off,on", "--concurrency", "1",
+                           "--rounds", "3", "--no-baseline", "--no-plots")
+    modes = ["off", "on"] if report["daemon"]["resolved"]["speculative"] else ["off"]
+    # points in the order they ran: each round rotates the modes by one
+    ran = [(p["round"], p["mode"]) for p in report["points"]]
+    if modes == ["off", "on"]:
+        assert ran == [(1, "off"), (1, "on"), (2, "on"), (2, "off"), (3, "off"), (3, "on")]
+    else:
+        assert ran == [(1, "off"), (2, "off"), (3, "off")]
+    assert report["config"]["rounds"] == 3
+    for row in report["medians"]:
+        figures = [p["output_tokens_per_s"] for p in report["points"]
+                   if p["mode"] == row["mode"]]
+        assert row["rounds"] == 3 and row["output_tokens_per_s_by_round"] == figures
+        assert row["output_tokens_per_s"] == pytest.approx(sorted(figures)[1])
+    assert [row["mode"] for row in report["medians"]] == modes
+    assert "medians over rounds:" in table
 
 
 def test_tune_spec_measures_or_says_why_not(daemon: Daemon, tmp_path: Path) -> None:
