@@ -295,16 +295,25 @@ class SweepRun:
     skipped: dict[str, str]
 
 
-async def run_sweep(socket_path: Path | None, config: BenchConfig) -> SweepRun:
+RoundHook = Callable[[dict[str, Any], int, int], Awaitable[None]]
+
+
+async def run_sweep(socket_path: Path | None, config: BenchConfig,
+                    after_round: RoundHook | None = None) -> SweepRun:
     """The whole sweep against the daemon at `socket_path`; the daemon's speculation mode
     is restored afterwards. A mode the daemon cannot serve (no draft model) is skipped with
-    its reason rather than measured as something else."""
+    its reason rather than measured as something else. `after_round(daemon, concurrency,
+    round)` runs after each round of each concurrency, while the daemon is idle (the
+    transformers baseline interleaves its rounds with batch 1's there)."""
     async with BenchClient(socket_path, timeout=config.timeout_s) as client:
         status = await client.status()
         if status.state != "ready":
             raise SpecdError(f"the daemon is {status.state}, not ready")
         speculative = bool(status.resolved.get("speculative", False))
         initial_mode = str(status.engine.get("spec_mode", "off"))
+        daemon = {"model": status.model, "version": status.version,
+                  "resolved": status.resolved, "engine_config": status.config.get("engine", {}),
+                  "initial_spec_mode": initial_mode}
         prompts = load_prompts(max(config.requests_at(c) for c in config.concurrencies))
         runnable = [mode for mode in config.modes if speculative or mode == "off"]
         skipped = {mode: "the daemon serves without speculation (resolved.speculative is "
@@ -329,10 +338,10 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig) -> SweepRun:
                         progress.begin(label)
                         points.append(await run_point(client, prompts, config, mode,
                                                       concurrency, progress, round_index))
+                    if after_round is not None:
+                        await after_round(daemon, concurrency, round_index)
         finally:
             progress.close()
             if speculative:
                 await client.set_spec(initial_mode)
-    daemon = {"model": status.model, "version": status.version, "resolved": status.resolved,
-              "engine_config": status.config.get("engine", {}), "initial_spec_mode": initial_mode}
     return SweepRun(daemon, tuple(points), skipped)

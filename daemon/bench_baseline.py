@@ -15,6 +15,7 @@ Imports torch and transformers: tools-only, never imported by the daemon.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -28,35 +29,67 @@ ASSISTED_GENERATION = {
 }
 
 
-def run_baseline(model_dir: Path, prompts: list[str], max_new_tokens: int,
-                 num_threads: int | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """Greedy `generate()` of exactly `max_new_tokens` tokens per prompt, one prompt at a
-    time (after one untimed warm-up), in `dtype` (the daemon's); tokens/s over the run."""
-    import torch
-    from transformers import AutoModelForCausalLM
+class Baseline:
+    """transformers `generate()` loaded once and timed in rounds, so that its rounds can
+    be interleaved with the daemon's (a drifting machine then biases neither side).
 
-    from specd.daemon.tokenizer import Tokenizer
+    Greedy `generate()` of exactly `max_new_tokens` tokens per prompt, one prompt at a time
+    (after one untimed warm-up), in `dtype` (the daemon's)."""
 
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    model.eval()
-    ids = [torch.tensor([tokenizer.encode(p)]) for p in prompts]
+    def __init__(self, model_dir: Path, prompts: list[str], max_new_tokens: int,
+                 num_threads: int | None = None, dtype: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    def generate(input_ids: torch.Tensor) -> int:
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
+        from specd.daemon.tokenizer import Tokenizer
+
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model_dir, self.max_new_tokens, self.dtype = model_dir, max_new_tokens, dtype
+        tokenizer = Tokenizer.from_dir(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                          dtype=getattr(torch, dtype))
+        self.model.eval()
+        self.ids = [torch.tensor([tokenizer.encode(p)]) for p in prompts]
+        self.rounds: list[tuple[int, float]] = []  # (tokens, seconds) per round
+        self._warm = False
+
+    def _generate(self, input_ids: Any) -> int:
+        import torch
+
+        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                  max_new_tokens=self.max_new_tokens,
+                                  min_new_tokens=self.max_new_tokens, do_sample=False,
+                                  pad_token_id=0)
         return int(out.shape[1] - input_ids.shape[1])
 
-    with torch.inference_mode():
-        generate(ids[0][:, :8])
-        started = time.perf_counter()
-        num_tokens = sum(generate(x) for x in ids)
-        wall = time.perf_counter() - started
-    return {"library": "transformers", "model": str(model_dir), "batch_size": 1,
-            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "num_output_tokens": num_tokens, "wall_s": wall, "tokens_per_s": num_tokens / wall,
-            "torch_threads": torch.get_num_threads(), "dtype": dtype,
-            "assisted_generation": ASSISTED_GENERATION}
+    def run_round(self) -> float:
+        """Time every prompt once; returns this round's tokens/s."""
+        import torch
+
+        with torch.inference_mode():
+            if not self._warm:
+                self._generate(self.ids[0][:, :8])
+                self._warm = True
+            started = time.perf_counter()
+            num_tokens = sum(self._generate(x) for x in self.ids)
+            wall = time.perf_counter() - started
+        self.rounds.append((num_tokens, wall))
+        return num_tokens / wall
+
+    def result(self) -> dict[str, Any]:
+        """The report's baseline: tokens_per_s is the median of the rounds' figures."""
+        import torch
+
+        if not self.rounds:
+            raise RuntimeError("the baseline has not run a round")
+        by_round = [n / wall for n, wall in self.rounds]
+        return {"library": "transformers", "model": str(self.model_dir), "batch_size": 1,
+                "num_prompts": len(self.ids), "max_new_tokens": self.max_new_tokens,
+                "num_output_tokens": self.rounds[-1][0],
+                "wall_s": statistics.median(wall for _, wall in self.rounds),
+                "tokens_per_s": statistics.median(by_round),
+                "tokens_per_s_by_round": by_round,
+                "torch_threads": torch.get_num_threads(), "dtype": self.dtype,
+                "assisted_generation": ASSISTED_GENERATION}
+

@@ -113,19 +113,40 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
             raise click.UsageError(f"{module} is not installed; install specd[tools] or pass "
                                    f"{flag}")
     machine_before = machine_info()
-    sweep = run_client_call(lambda: asyncio.run(run_sweep(_socket(ctx), config)))
+    baseline_runner: list[Any] = []  # the Baseline, built at its first round
+
+    def start_baseline(daemon: dict[str, Any]) -> Any:
+        from specd.daemon.bench_baseline import Baseline
+        from specd.workers.config import FIXTURE_DIR
+
+        model = baseline_model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
+        click.echo(f"bench: transformers baseline on {model}", err=True)
+        # The daemon's dtype, so that both sides run the same arithmetic.
+        dtype = str(daemon.get("resolved", {}).get("dtype", "float32"))
+        baseline_runner.append(Baseline(model, load_prompts(baseline_prompts), max_tokens,
+                                        dtype=dtype))
+        return baseline_runner[0]
+
+    async def baseline_round(daemon: dict[str, Any], concurrency: int, round_index: int
+                             ) -> None:
+        # Batch 1's rounds and the baseline's alternate: the batch-1 ratio compares figures
+        # taken a minute apart, not a whole sweep apart.
+        if concurrency == 1:
+            runner = baseline_runner[0] if baseline_runner else start_baseline(daemon)
+            tok_s = await asyncio.to_thread(runner.run_round)
+            click.echo(f"bench: transformers round {round_index}/{rounds}: {tok_s:.1f} tok/s",
+                       err=True)
+
+    sweep = run_client_call(lambda: asyncio.run(run_sweep(
+        _socket(ctx), config, baseline_round if baseline else None)))
     points = [bench_report.summarize(p) for p in sweep.points]
     baseline_result = None
     if baseline:
-        from specd.daemon.bench_baseline import run_baseline
-        from specd.workers.config import FIXTURE_DIR
-
-        model = baseline_model or Path(sweep.daemon["engine_config"].get("model") or FIXTURE_DIR)
-        click.echo(f"bench: transformers baseline on {model}", err=True)
-        # The daemon's dtype, so that both sides run the same arithmetic.
-        dtype = str(sweep.daemon.get("resolved", {}).get("dtype", "float32"))
-        baseline_result = run_baseline(model, load_prompts(baseline_prompts), max_tokens,
-                                       dtype=dtype)
+        # Without batch 1 in the sweep, the baseline's rounds run now, back to back.
+        runner = baseline_runner[0] if baseline_runner else start_baseline(sweep.daemon)
+        while len(runner.rounds) < rounds:
+            runner.run_round()
+        baseline_result = runner.result()
     report: dict[str, Any] = {
         "benchmark": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "command": " ".join(sys.argv), "machine": machine_before,

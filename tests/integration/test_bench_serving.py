@@ -30,7 +30,7 @@ POINT_KEYS = {"mode", "concurrency", "request_rate", "round", "num_requests", "n
               "num_accepted", "spec_share", "spec_share_source", "mean_batch", "max_kv_use"}
 BASELINE_KEYS = {"library", "model", "batch_size", "num_prompts", "max_new_tokens",
                  "num_output_tokens", "wall_s", "tokens_per_s", "torch_threads", "dtype",
-                 "assisted_generation"}
+                 "assisted_generation", "tokens_per_s_by_round"}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
 def test_rounds_interleave_the_modes_and_targets_read_the_medians(
         daemon: Daemon, tmp_path: Path) -> None:
     report, table = _bench(daemon, tmp_path, "--modes", "off,on", "--concurrency", "1",
-                           "--rounds", "3", "--no-baseline", "--no-plots")
+                           "--rounds", "3", "--baseline-prompts", "1", "--no-plots")
     modes = ["off", "on"] if report["daemon"]["resolved"]["speculative"] else ["off"]
     # points in the order they ran: each round rotates the modes by one
     ran = [(p["round"], p["mode"]) for p in report["points"]]
@@ -159,6 +159,16 @@ def test_rounds_interleave_the_modes_and_targets_read_the_medians(
         assert row["output_tokens_per_s"] == pytest.approx(sorted(figures)[1])
     assert [row["mode"] for row in report["medians"]] == modes
     assert "medians over rounds:" in table
+    # the baseline ran three rounds (each after a batch-1 round); its figure is their median
+    baseline = report["baseline"]
+    assert len(baseline["tokens_per_s_by_round"]) == 3
+    assert baseline["tokens_per_s"] == pytest.approx(sorted(baseline["tokens_per_s_by_round"])[1])
+    assert table.count("bench: transformers round") == 3  # each round says what it measured
+    versus = report["targets"]["batch1_vs_transformers"]
+    if "on" in modes:
+        on_rounds = [p["output_tokens_per_s"] for p in report["points"] if p["mode"] == "on"]
+        assert versus["by_round"] == pytest.approx(
+            [a / b for a, b in zip(on_rounds, baseline["tokens_per_s_by_round"], strict=True)])
 
 
 def test_tune_spec_measures_or_says_why_not(daemon: Daemon, tmp_path: Path) -> None:
