@@ -319,7 +319,10 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
         skipped = {mode: "the daemon serves without speculation (resolved.speculative is "
                          "false: no draft model, or speculation not built in)"
                    for mode in config.modes if mode not in runnable}
-        progress = Progress(sum(config.requests_at(c) for c in config.concurrencies)
+        num_points = len(config.concurrencies) * len(runnable) * config.rounds
+        # With --max-duration a point ends on time, so its request count is not known.
+        progress = Progress(num_points, None if config.max_duration_s is not None else
+                            sum(config.requests_at(c) for c in config.concurrencies)
                             * len(runnable) * config.rounds)
         points = []
         try:

@@ -13,27 +13,34 @@ REDRAW_INTERVAL_S = 0.1
 
 
 class Progress:
-    """Counts finished units (requests) out of `total`; `begin` names the current stage."""
+    """Counts points (`begin` starts the next one and names it) out of `num_points`, and
+    finished requests (`advance`) out of `num_requests`. The bar follows the requests when
+    their number is known in advance (None: points bounded by time, whose request counts
+    are not), else the points."""
 
-    def __init__(self, total: int, stream: TextIO | None = None) -> None:
-        self.total = max(1, total)
+    def __init__(self, num_points: int, num_requests: int | None,
+                 stream: TextIO | None = None) -> None:
+        self.num_points = max(1, num_points)
+        self.num_requests = num_requests
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = self.stream.isatty()
-        self.done = 0
+        self.points_begun = 0
+        self.done = 0  # requests finished
         self.stage = ""
         self.started = time.monotonic()
         self.last_drawn = 0.0
 
     def begin(self, stage: str) -> None:
+        self.points_begun += 1
         self.stage = stage
         if not self.is_tty:
-            self.stream.write(f"bench: {stage} ({self.done}/{self.total} requests done)\n")
+            self.stream.write(f"bench: {stage} ({self._counts()})\n")
             self.stream.flush()
         self._draw(force=True)
 
     def advance(self, count: int = 1) -> None:
         self.done += count
-        self._draw(force=self.done >= self.total)
+        self._draw(force=self.num_requests is not None and self.done >= self.num_requests)
 
     def close(self) -> None:
         if self.is_tty:
@@ -41,13 +48,23 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
 
+    def _counts(self) -> str:
+        requests = (f"{self.done}/{self.num_requests}" if self.num_requests is not None
+                    else f"{self.done}")
+        return f"point {self.points_begun}/{self.num_points}, {requests} requests done"
+
+    def _fraction(self) -> float:
+        if self.num_requests is not None:
+            return min(1.0, self.done / max(1, self.num_requests))
+        return max(0, self.points_begun - 1) / self.num_points  # points finished
+
     def _draw(self, force: bool) -> None:
         now = time.monotonic()
         if not self.is_tty or (not force and now - self.last_drawn < REDRAW_INTERVAL_S):
             return
         self.last_drawn = now
-        filled = BAR_WIDTH * min(self.done, self.total) // self.total
+        filled = int(BAR_WIDTH * self._fraction())
         bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} requests  "
-                          f"{now - self.started:6.1f} s  {self.stage:<16}")
+        self.stream.write(f"\r[{bar}] {self._counts()}  {now - self.started:6.1f} s  "
+                          f"{self.stage:<24}")
         self.stream.flush()
