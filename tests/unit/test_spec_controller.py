@@ -215,3 +215,41 @@ def test_steps_served_in_on_and_off_teach_auto():
     event = ctrl.set_mode("auto")
     assert event is not None and event.enabled and event.cause == "mode_set"
     assert (round(event.on_tok_s), round(event.off_tok_s)) == (900, 600)
+
+
+def _run_off(batch_sizes: list[int]) -> dict[str, list[float]]:
+    """Plain decode on a machine where every sequence makes 20 tokens/s, through the given
+    batch sizes; the measured table."""
+    ctrl = SpecController("off", threshold=8, measure=True, settle_steps=0, min_samples=1)
+    for batch in batch_sizes:
+        ctrl.update(batch)
+        ctrl.record(batch, False, 0.05, batch)
+    return ctrl.measured_table()
+
+
+def test_a_sudden_burst_or_end_is_not_a_sample_of_the_loads_it_passes_through():
+    # 64 requests arrive at once at an engine serving one, then all but 5 end at once.
+    # While the load (an average) catches up, the steps are not samples of the buckets it
+    # passes through: each figure is exactly what its own batch size yields.
+    table = _run_off([1] * 50 + [64] * 200 + [5] * 40)
+    assert table.pop("~1") == [0.0, 20.0] and table.pop("~64") == [0.0, 1280.0]
+    # the five-wide steps count once the load is near five (in ~8 on its way, then ~4)
+    assert table == {"~4": [0.0, 100.0], "~8": [0.0, 100.0]}
+
+
+def test_a_slow_drain_counts_in_the_buckets_of_its_own_batch_sizes():
+    # One sequence leaves every fourth step: the load keeps up, and each bucket's figure
+    # is what batch sizes of that bucket yield (about 2**(k - 1/2) to 2**(k + 1/2)).
+    table = _run_off([64] * 200 + [(b + 3) // 4 for b in range(256, 0, -1)])
+    assert {"~4", "~8", "~16", "~32", "~64"} <= set(table)
+    for label, (_, off) in table.items():
+        load = int(label[1:])
+        assert 20 * load / 1.5 <= off <= 20 * load * 1.5, (label, off)
+
+
+def test_a_step_is_steady_within_a_third_of_the_load_or_one_sequence():
+    from specd.workers.spec.controller import is_steady
+
+    assert is_steady(30, 27.5) and is_steady(20, 27.5) and not is_steady(12, 27.5)
+    assert not is_steady(64, 20.0)
+    assert is_steady(1, 1.7) and is_steady(2, 1.7) and not is_steady(4, 1.7)

@@ -9,7 +9,8 @@ With `measure=True` (the engine's default) "auto" also learns what each mode yie
 this machine and this workload: the engine reports every step (`record`: batch size, the
 state it ran in, its wall time and the tokens it emitted; prefill included) and the
 controller keeps, per load bucket (the batch size averaged over recent steps, about a
-power of two; see `bucket_of`), an average of output tokens per second for each state.
+power of two; see `bucket_of`), an average of output tokens per second for each state;
+steps of a ramp or a drain, whose batch is far from the load, are not counted there.
 Those are regime figures: a mode's cost per request (prefill mixed
 with verification, the draft head's catch-up on new prompts, re-gathered K/V) is paid in
 steps that a decode-only sample would leave out, and those steps are most of the steps at
@@ -33,7 +34,14 @@ from dataclasses import dataclass, field
 
 SPEC_MODES = ("on", "off", "auto")
 EWMA_WEIGHT = 1 / 32  # of the newest step in a bucket's average (one exploration's worth)
+# of the newest step's batch size in the load: the load follows a change of concurrency
+# within about 8 steps, so that a slowly draining batch counts in its own bucket, not in
+# the one it left (with 1/32, a drain counted at a load 30% above its batch).
+LOAD_WEIGHT = 1 / 8
 MIN_SAMPLES = 16  # steps measured in a state before its figure is trusted
+# A step counts in the bucket of the load only when its own batch size is this close to
+# the load (relative, or within one sequence at small loads); see `is_steady`.
+STEADY_TOLERANCE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -60,11 +68,11 @@ class SpecEvent:
                 "on_tok_s": round(self.on_tok_s, 1), "off_tok_s": round(self.off_tok_s, 1)}
 
 
-def ewma_weight(num_samples: int) -> float:
+def ewma_weight(num_samples: int, floor: float = EWMA_WEIGHT) -> float:
     """Weight of the newest of `num_samples + 1` samples in a running average: a plain mean
     until the average spans its window (so that the first step, often a prefill, does not
-    weigh more than any other), then EWMA_WEIGHT."""
-    return max(EWMA_WEIGHT, 1.0 / (num_samples + 1))
+    weigh more than any other), then `floor`."""
+    return max(floor, 1.0 / (num_samples + 1))
 
 
 @dataclass
@@ -108,6 +116,16 @@ def bucket_of(load: float) -> int:
     spends its turnaround outside the engine, and the faster mode turns over more often):
     both modes of one load then fall in one bucket instead of straddling an edge."""
     return math.floor(math.log2(max(load, 1.0)) + 0.5)
+
+
+def is_steady(batch_size: int, load: float) -> bool:
+    """Whether a step of `batch_size` sequences is a sample of the regime at `load` (the
+    smoothed batch size), rather than of a sudden change: the load lags the batch by about
+    1 / LOAD_WEIGHT steps, so while a burst of requests arrives, steps of 64 sequences
+    would count at a load of 20, and when a burst ends at once, steps of 5 at a load of 25.
+    Each mode sees its own ramps and drains (which one ran before it, how fast it drains),
+    so such steps would skew one mode's figure in a bucket that is not theirs."""
+    return abs(batch_size - load) <= max(1.0, STEADY_TOLERANCE * load)
 
 
 def bucket_label(k: int) -> str:
@@ -190,14 +208,17 @@ class SpecController:
                ) -> None:
         """One finished step's figures; `speculated`: the state it ran in. Called after
         `update` decided the next step. Not counted: a step followed by a switch (it ran
-        in the old state and its tail already prepared the new one) and the first
-        `settle_steps` steps of each state."""
+        in the old state and its tail already prepared the new one), the first
+        `settle_steps` steps of each state, and a step whose batch is far from the load (a
+        ramp or a drain: `is_steady`)."""
         if batch_size < 1 or step_s <= 0 or num_tokens < 0:
             raise ValueError(f"need batch_size >= 1, step_s > 0, num_tokens >= 0; got "
                              f"{batch_size}, {step_s}, {num_tokens}")
-        self.load += ewma_weight(self.num_recorded) * (batch_size - self.load)
+        self.load += ewma_weight(self.num_recorded, LOAD_WEIGHT) * (batch_size - self.load)
         self.num_recorded += 1
         if speculated != self.enabled or self.steps_in_state <= self.settle_steps:
+            return
+        if not is_steady(batch_size, self.load):
             return
         bucket = self.buckets.setdefault(bucket_of(self.load), Bucket())
         (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
