@@ -7,12 +7,15 @@ plain decode the batch rarely changes between steps, so the `DecodeStage` keeps 
 of the decode group (query length 1) from one forward to the next and only appends each
 sequence's new token.
 
-Contract: the copy is valid only if the previous forward of the model was the stage's own
-(nothing else wrote the cache in between) and the group is the same sequences in the same
-order, each one token longer, with the same blocks under the tokens kept. Anything else
-rebuilds it with one gather, which is what every step did before. The model runner calls
-`invalidate` after any forward that did not use the stage, after a forward that failed and
-whenever it moves K/V itself (speculative KV compaction), so a stale copy is never read.
+Contract: a kept row is valid only if the previous forward of the model was the stage's own
+(nothing else wrote the cache in between) and its sequence is one token longer, with the
+same blocks under the tokens kept. When requests finish and others join (every step or two
+under a steady, staggered load), the rows of the sequences that continue are carried over
+to their new places and only the newcomers are gathered (a "remap"); a group with no
+continuing row, or longer than the copy's capacity, is rebuilt with one gather (a
+"refresh"), which is what every step did before. The model runner calls `invalidate` after
+any forward that did not use the stage, after a forward that failed and whenever it moves
+K/V itself (speculative KV compaction), so a stale copy is never read.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class StagePlan:
     """This forward's use of the stage for one decode group of G sequences.
 
     refresh: gather the whole copy (every layer) instead of appending.
+    reuse: when not None (a remap), int64 [G]: the row of the previous copy that row g
+        continues, or -1 for a newcomer whose history is gathered.
     width: the padded key length S_pad the group's mask was built for.
     new_slots / new_positions: int64 [G], cache slot and position of each sequence's new
     token (the one appended).
@@ -36,6 +41,7 @@ class StagePlan:
 
     stage: DecodeStage
     refresh: bool
+    reuse: torch.Tensor | None
     width: int
     new_slots: torch.Tensor
     new_positions: torch.Tensor
@@ -54,6 +60,10 @@ class DecodeStage:
         self._buffers: dict[int, torch.Tensor] = {}
         self.num_refreshes = 0  # figures for tests and profiling
         self.num_appends = 0
+        self.num_remaps = 0
+        # Layers whose copy this step's remap has been applied to (a layer may ask twice in
+        # one step: an eager retry after a failed compiled call must not remap again).
+        self._remapped: set[int] = set()
 
     def invalidate(self) -> None:
         """Forget the copy (the next decode forward re-gathers); frees its memory."""
@@ -61,29 +71,42 @@ class DecodeStage:
 
     def plan(self, tables: list[list[int]], lens: list[int], width: int,
              new_slots: torch.Tensor) -> StagePlan:
-        """Decide refresh or append for a decode group (block tables and KV lengths after
-        this step, this step's new-token slots) and remember the group for the next step."""
-        refresh = not self._continues(tables, lens) or width > self.capacity
+        """Decide append, remap or refresh for a decode group (block tables and KV lengths
+        after this step, this step's new-token slots) and remember the group for the next
+        step."""
+        reuse = self._match(tables, lens) if width <= self.capacity else None
+        refresh = reuse is None or all(r < 0 for r in reuse)
         if refresh:
             self.capacity = width + HEADROOM_TOKENS
             self._buffers = {}
             self.num_refreshes += 1
-        else:
+        elif reuse == list(range(len(self._lens))):
+            reuse = None  # the same sequences in the same order: append only
             self.num_appends += 1
+        else:
+            self.num_remaps += 1
+        self._remapped = set()
         self._tables, self._lens = [list(t) for t in tables], list(lens)
         positions = torch.tensor(lens, dtype=torch.int64) - 1
-        return StagePlan(self, refresh, width, new_slots, positions, torch.arange(len(lens)))
+        return StagePlan(self, refresh,
+                         None if refresh or reuse is None else torch.tensor(reuse),
+                         width, new_slots, positions, torch.arange(len(lens)))
 
-    def _continues(self, tables: list[list[int]], lens: list[int]) -> bool:
-        if not self._lens or len(lens) != len(self._lens):
-            return False
+    def _match(self, tables: list[list[int]], lens: list[int]) -> list[int] | None:
+        """Per sequence of the new group, the row of the kept copy it continues (one token
+        longer, the same blocks under the kept tokens) or -1; None without a copy. Rows
+        with the same blocks and length hold the same K/V, so any of them will do."""
+        if not self._lens:
+            return None
         bs = self.block_size
-        for table, n, old_table, old_n in zip(tables, lens, self._tables, self._lens,
-                                              strict=True):
-            kept = -(-old_n // bs)
-            if n != old_n + 1 or table[:kept] != old_table[:kept]:
-                return False
-        return True
+        rows: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for i, (table, n) in enumerate(zip(self._tables, self._lens, strict=True)):
+            rows.setdefault((tuple(table[: -(-n // bs)]), n), []).append(i)
+        reuse = []
+        for table, n in zip(tables, lens, strict=True):
+            candidates = rows.get((tuple(table[: -(-(n - 1) // bs)]), n - 1))
+            reuse.append(candidates.pop(0) if candidates else -1)
+        return reuse
 
     def keys_values(self, kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor,
                     plan: StagePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,13 +130,19 @@ class DecodeStage:
         num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
         key = kv_cache_layer.data_ptr()
         buf = self._buffers.get(key)
+        g = plan.new_slots.shape[0]
         if plan.refresh or buf is None:
-            g = plan.new_slots.shape[0]
-            gathered = kv_cache_layer.index_select(1, key_blocks)  # [2, G*mb, bs, kvh, d]
-            gathered = gathered.view(2, g, -1, num_kv_heads, head_dim).transpose(2, 3)
             buf = kv_cache_layer.new_zeros(2, g, num_kv_heads, self.capacity, head_dim)
-            buf[:, :, :, : gathered.shape[3]] = gathered
+            _gather_rows(buf, kv_cache_layer, key_blocks, torch.arange(g))
             self._buffers[key] = buf
+        elif plan.reuse is not None and key not in self._remapped:
+            old, reuse = buf, plan.reuse
+            buf = kv_cache_layer.new_zeros(2, g, num_kv_heads, self.capacity, head_dim)
+            kept = (reuse >= 0).nonzero().flatten()
+            buf[:, kept] = old[:, reuse[kept]]
+            _gather_rows(buf, kv_cache_layer, key_blocks, (reuse < 0).nonzero().flatten())
+            self._buffers[key] = buf
+            self._remapped.add(key)
         return buf
 
     def append(self, kv_cache_layer: torch.Tensor, plan: StagePlan, k: torch.Tensor,
@@ -123,3 +152,17 @@ class DecodeStage:
         buf[0, plan.rows, :, plan.new_positions] = k
         buf[1, plan.rows, :, plan.new_positions] = v
 
+
+
+def _gather_rows(buf: torch.Tensor, kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+    """Copy the paged history of the group's `rows` (int64 [R]) into `buf` [2, G, kvh,
+    capacity, d]; `key_blocks` is the group's [G * max_blocks] block ids, row-major."""
+    if rows.numel() == 0:
+        return
+    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+    g = buf.shape[1]
+    blocks = key_blocks.view(g, -1)[rows].flatten()
+    gathered = kv_cache_layer.index_select(1, blocks)  # [2, R * mb, bs, kvh, d]
+    gathered = gathered.view(2, rows.numel(), -1, num_kv_heads, head_dim).transpose(2, 3)
+    buf[:, rows, :, : gathered.shape[3]] = gathered
