@@ -222,7 +222,10 @@ async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig
             errors[exc.code] = errors.get(exc.code, 0) + 1
         progress.advance()
 
-    sampler = asyncio.create_task(_sample_engine(client, samples))
+    # The sampler is stopped by an event, not cancelled: it ends after its current query
+    # (a failure of it still propagates).
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_engine(client, samples, stop))
     try:
         if config.request_rate is None:
             await _closed_loop(one, num_requests, concurrency, give_up_at)
@@ -231,9 +234,8 @@ async def run_point(client: BenchClient, prompts: list[str], config: BenchConfig
                            random.Random(config.seed), give_up_at)
         wall = time.perf_counter() - started
     finally:
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):  # a sampler failure propagates
-            await sampler
+        stop.set()
+        await sampler
     stats_after = await client.stats()
     return PointRun(mode, concurrency, config.request_rate, round_index, wall, tuple(records),
                     errors, tuple(samples), stats_before, stats_after)
@@ -272,10 +274,13 @@ async def _poisson(one: Send, num_requests: int, concurrency: int, rate: float,
     await asyncio.gather(*tasks)
 
 
-async def _sample_engine(client: BenchClient, samples: list[EngineSample]) -> None:
-    while True:
+async def _sample_engine(client: BenchClient, samples: list[EngineSample],
+                         stop: asyncio.Event) -> None:
+    while not stop.is_set():
         samples.append(engine_sample(await client.stats()))
-        await asyncio.sleep(STATS_INTERVAL_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STATS_INTERVAL_S):
+                await stop.wait()
 
 
 def round_order(modes: list[str], round_index: int) -> list[str]:

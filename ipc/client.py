@@ -488,7 +488,11 @@ class AsyncClient:
             item = inbox.get_nowait()
         else:
             try:
-                item = await asyncio.wait_for(inbox.get(), self.timeout)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+                # cancellation that arrives as the answer does (gh-86296), and a caller
+                # that cancels a query (the benchmark's stats sampler) would run on.
+                async with asyncio.timeout(self.timeout):
+                    item = await inbox.get()
             except TimeoutError as exc:
                 raise ClientTimeout(f"no answer within {self.timeout} s") from exc
         if isinstance(item, SpecdError):
