@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specd.workers.spec.controller import SpecController, SpecEvent, default_resume_at
@@ -253,3 +255,24 @@ def test_a_step_is_steady_within_a_third_of_the_load_or_one_sequence():
     assert is_steady(30, 27.5) and is_steady(20, 27.5) and not is_steady(12, 27.5)
     assert not is_steady(64, 20.0)
     assert is_steady(1, 1.7) and is_steady(2, 1.7) and not is_steady(4, 1.7)
+
+
+def test_a_switch_waits_for_a_measurement_of_the_state_entered_last():
+    # Two modes 2% apart, each step's figure noisy (+-50%): no `measured_faster` switch
+    # comes before the state entered last has had its settling steps and min_samples
+    # measured ones (without that rule this run flips back after 10 steps).
+    ctrl = SpecController("auto", threshold=8, measure=True, settle_steps=2, min_samples=16,
+                          explore_every=10_000)
+    rng = random.Random(0)
+    last_switch, gaps = 0, []
+    for step in range(3000):
+        speculated = ctrl.enabled
+        event = ctrl.update(8)
+        if event is not None and event.cause == "measured_faster":
+            gaps.append(step - last_switch)
+        if event is not None:
+            last_switch = step
+        base = 1000 if speculated else 980
+        noisy = base * (1 + 0.5 * (2 * rng.random() - 1))
+        ctrl.record(8, speculated, 0.1, round(noisy * 0.1))
+    assert gaps and min(gaps) >= 2 + 16

@@ -17,8 +17,9 @@ steps that a decode-only sample would leave out, and those steps are most of the
 high concurrency. The first `settle_steps` steps after each switch are not counted: they
 still carry the other regime's state (its request turnover, its kept K/V). Once both
 states have been measured in a bucket, the faster one is used there (switching only when
-the other is faster by `margin`, so that noise does not flap it); until then the threshold
-rule above decides. So that a stale figure cannot lock a mode in, the other state is
+the other is faster by `margin`, and not before the state entered last has been measured
+for `settle_steps + min_samples` steps, so that noise does not flap it); until then the
+threshold rule above decides. So that a stale figure cannot lock a mode in, the other state is
 re-measured for `settle_steps + explore_steps` steps after every `explore_every` steps in
 one state (a bounded cost: a few percent of the steps, at the other mode's speed). Figures
 are kept across `set_mode`: steps served in "on" or "off" teach "auto" too.
@@ -275,7 +276,12 @@ class SpecController:
             # exploration ends switches back and is not counted.
             self.exploring = self.settle_steps + self.explore_steps + 1
             return self._switch(not self.enabled, "explore")
-        if bucket.on.trusted(self.min_samples) and bucket.off.trusted(self.min_samples):
+        if (bucket.on.trusted(self.min_samples) and bucket.off.trusted(self.min_samples)
+                and self.steps_in_state >= self.settle_steps + self.min_samples):
+            # Only once the state entered last has had its own measurement (settling, then
+            # min_samples counted steps): a switch decided on its first few steps would
+            # flip between two modes within a few percent of each other on noise, paying
+            # the settling and the draft head's catch-up each time.
             want = self._preferred(bucket, batch_size, incumbent=self.enabled)
             if want != self.enabled:
                 return self._switch(want, "measured_faster")
