@@ -4,6 +4,7 @@ and KV-cache lines, keeps redrawing, and quits on q and on Ctrl-C with status 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -52,13 +53,18 @@ def _read_until(fd: int, marker: bytes, count: int) -> bytes:
     return out
 
 
-def _exit_status(pid: int) -> int:
+def _exit_status(pid: int, fd: int) -> int:
+    """Wait for top to exit, reading its terminal meanwhile as a terminal does (top's
+    last frames and its restoring of the terminal mode, TCSADRAIN, go through it)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            with contextlib.suppress(OSError):  # EIO: its last process closed the terminal
+                os.read(fd, 65536)
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("top did not quit")
@@ -70,7 +76,7 @@ def test_top_draws_frames_and_quits(daemon: Daemon, key: bytes) -> None:
     try:
         out = _read_until(fd, FRAME_END, 2)  # a second frame: it refreshes
         os.write(fd, key)
-        status = _exit_status(pid)
+        status = _exit_status(pid, fd)
     finally:
         os.close(fd)
     text = out.decode()
