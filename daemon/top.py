@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import sys
 import termios
+import threading
 import time
 import tty
 from collections.abc import Iterator
@@ -101,6 +103,21 @@ def _keys(stream: TextIO) -> Iterator[bool]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+@contextlib.contextmanager
+def _ctrl_c_quits() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt while top runs, even where SIGINT was ignored when
+    the process started (a background job of a script, some supervisors: Python then
+    leaves it ignored, and Ctrl-C would do nothing); the previous handler is restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _wait_for_quit(stream: TextIO, seconds: float) -> bool:
     """Wait up to `seconds` for a key; True when it was q."""
     ready, _, _ = select.select([stream], [], [], seconds)
@@ -116,7 +133,8 @@ def run_top(socket_path: Path | None, timeout: float, interval: float,
     before: Snapshot | None = None
     count = 0
     clear = CLEAR if out.isatty() else "\n"  # piped: frames one after another
-    with Client(socket_path, timeout=timeout) as client, _keys(keys) as can_read_keys:
+    with Client(socket_path, timeout=timeout) as client, _keys(keys) as can_read_keys, \
+            _ctrl_c_quits():
         try:
             while num_frames is None or count < num_frames:
                 now = Snapshot(time.monotonic(), client.status())

@@ -8,6 +8,7 @@ import contextlib
 import os
 import pty
 import select
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -30,11 +31,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d.stop()
 
 
-def _spawn_top(socket_path: Path) -> tuple[int, int]:
+def _spawn_top(socket_path: Path, sigint_ignored: bool = False) -> tuple[int, int]:
     """`specctl top` as the session leader of a new pseudo-terminal (its controlling terminal, so
-    Ctrl-C typed into it raises SIGINT); returns (pid, master fd)."""
+    Ctrl-C typed into it raises SIGINT); returns (pid, master fd). sigint_ignored: start it
+    with SIGINT ignored, as a background job of a script is (the ignore survives exec)."""
     pid, fd = pty.fork()
     if pid == 0:
+        if sigint_ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.execv(sys.executable, [sys.executable, "-m", "specd.daemon.ctl",
                                   "--socket", str(socket_path), "top", "--interval", "0.2"])
     return pid, fd
@@ -70,9 +74,11 @@ def _exit_status(pid: int, fd: int) -> int:
     raise AssertionError("top did not quit")
 
 
-@pytest.mark.parametrize("key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
-def test_top_draws_frames_and_quits(daemon: Daemon, key: bytes) -> None:
-    pid, fd = _spawn_top(daemon.socket_path)
+@pytest.mark.parametrize(("key", "sigint_ignored"),
+                         [(b"q", False), (b"\x03", False), (b"\x03", True)],
+                         ids=["q", "ctrl-c", "ctrl-c-with-sigint-ignored-at-start"])
+def test_top_draws_frames_and_quits(daemon: Daemon, key: bytes, sigint_ignored: bool) -> None:
+    pid, fd = _spawn_top(daemon.socket_path, sigint_ignored)
     try:
         out = _read_until(fd, FRAME_END, 2)  # a second frame: it refreshes
         os.write(fd, key)
