@@ -92,4 +92,3 @@ class Baseline:
                 "tokens_per_s_by_round": by_round,
                 "torch_threads": torch.get_num_threads(), "dtype": self.dtype,
                 "assisted_generation": ASSISTED_GENERATION}
-

@@ -201,6 +201,15 @@ def _several_rounds(report: dict[str, Any]) -> bool:
     return any(p.get("round", 1) > 1 for p in report["points"])
 
 
+def _by_round(row: dict[str, Any], rounds: bool, unit: str = "") -> str:
+    """"; by round 0.98, 1.02, ..." for a target row with per-round ratios, when the report
+    has several rounds; else ""."""
+    ratios = row.get("by_round") or []
+    if not (rounds and ratios):
+        return ""
+    return "; by round " + ", ".join(f"{x:.2f}{unit}" for x in ratios)
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The terminal table: one row per point (and round), the medians over rounds when
     there are several, then the targets."""
@@ -240,20 +249,14 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{baseline['assisted_generation']['verdict']}")
     targets = report["targets"]
     for row in targets["auto_vs_best"]:
-        by_round = row.get("by_round") or []
         lines.append(f"auto / best(on, off) at c={row['concurrency']}: "
                      f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'NOT met'}, "
-                     f"target {targets['auto_target']})"
-                     + (f"; by round {', '.join(f'{x:.2f}' for x in by_round)}"
-                        if rounds and by_round else ""))
+                     f"target {targets['auto_target']})" + _by_round(row, rounds))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
-        by_round = versus.get("by_round") or []
         lines.append(f"specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
                      f"({'met' if versus['met'] else 'NOT met'}, target "
-                     f"{targets['baseline_target']}x)"
-                     + (f"; by round {', '.join(f'{x:.2f}x' for x in by_round)}"
-                        if rounds and by_round else ""))
+                     f"{targets['baseline_target']}x)" + _by_round(versus, rounds, "x"))
     return "\n".join(lines)
 
 
@@ -348,17 +351,12 @@ def format_markdown(report: dict[str, Any]) -> str:
                       "tokens, greedy)."]
     targets = report["targets"]
     for row in targets["auto_vs_best"]:
-        by_round = row.get("by_round") or []
         lines.append(f"- auto / best(on, off) at concurrency {row['concurrency']}: "
                      f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'})"
-                     + (f"; by round {', '.join(f'{x:.2f}' for x in by_round)}"
-                        if rounds and by_round else ""))
+                     + _by_round(row, rounds))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
-        by_round = versus.get("by_round") or []
         lines.append(f"- specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
                      f"({'met' if versus['met'] else 'not met'}; target "
-                     f"{targets['baseline_target']}x)"
-                     + (f"; by round {', '.join(f'{x:.2f}x' for x in by_round)}"
-                        if rounds and by_round else ""))
+                     f"{targets['baseline_target']}x)" + _by_round(versus, rounds, "x"))
     return "\n".join(lines) + "\n"

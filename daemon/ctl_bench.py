@@ -97,6 +97,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
     mode; prints a table, writes JSON and PNG plots."""
     from specd.daemon import bench_report
     from specd.daemon.bench import BenchConfig, load_prompts, run_sweep
+    from specd.daemon.bench_baseline import Baseline  # torch and transformers load lazily
 
     try:
         config = BenchConfig(modes=tuple(x.strip() for x in modes.split(",") if x.strip()),
@@ -113,27 +114,26 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
             raise click.UsageError(f"{module} is not installed; install specd[tools] or pass "
                                    f"{flag}")
     machine_before = machine_info()
-    baseline_runner: list[Any] = []  # the Baseline, built at its first round
+    runner: Baseline | None = None  # built at its first round
 
-    def start_baseline(daemon: dict[str, Any]) -> Any:
-        from specd.daemon.bench_baseline import Baseline
-        from specd.workers.config import FIXTURE_DIR
+    def baseline_runner(daemon: dict[str, Any]) -> Baseline:
+        nonlocal runner
+        if runner is None:
+            from specd.workers.config import FIXTURE_DIR
 
-        model = baseline_model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
-        click.echo(f"bench: transformers baseline on {model}", err=True)
-        # The daemon's dtype, so that both sides run the same arithmetic.
-        dtype = str(daemon.get("resolved", {}).get("dtype", "float32"))
-        baseline_runner.append(Baseline(model, load_prompts(baseline_prompts), max_tokens,
-                                        dtype=dtype))
-        return baseline_runner[0]
+            model = baseline_model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
+            click.echo(f"bench: transformers baseline on {model}", err=True)
+            # The daemon's dtype, so that both sides run the same arithmetic.
+            dtype = str(daemon.get("resolved", {}).get("dtype", "float32"))
+            runner = Baseline(model, load_prompts(baseline_prompts), max_tokens, dtype=dtype)
+        return runner
 
     async def baseline_round(daemon: dict[str, Any], concurrency: int, round_index: int
                              ) -> None:
         # Batch 1's rounds and the baseline's alternate: the batch-1 ratio compares figures
         # taken a minute apart, not a whole sweep apart.
         if concurrency == 1:
-            runner = baseline_runner[0] if baseline_runner else start_baseline(daemon)
-            tok_s = await asyncio.to_thread(runner.run_round)
+            tok_s = await asyncio.to_thread(baseline_runner(daemon).run_round)
             click.echo(f"bench: transformers round {round_index}/{rounds}: {tok_s:.1f} tok/s",
                        err=True)
 
@@ -143,10 +143,10 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
     baseline_result = None
     if baseline:
         # Without batch 1 in the sweep, the baseline's rounds run now, back to back.
-        runner = baseline_runner[0] if baseline_runner else start_baseline(sweep.daemon)
-        while len(runner.rounds) < rounds:
-            runner.run_round()
-        baseline_result = runner.result()
+        done = baseline_runner(sweep.daemon)
+        while len(done.rounds) < rounds:
+            done.run_round()
+        baseline_result = done.result()
     report: dict[str, Any] = {
         "benchmark": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "command": " ".join(sys.argv), "machine": machine_before,

@@ -77,6 +77,7 @@ class DecodeStage:
         reuse = self._match(tables, lens) if width <= self.capacity else None
         refresh = reuse is None or all(r < 0 for r in reuse)
         if refresh:
+            reuse = None
             self.capacity = width + HEADROOM_TOKENS
             self._buffers = {}
             self.num_refreshes += 1
@@ -88,9 +89,8 @@ class DecodeStage:
         self._remapped = set()
         self._tables, self._lens = [list(t) for t in tables], list(lens)
         positions = torch.tensor(lens, dtype=torch.int64) - 1
-        return StagePlan(self, refresh,
-                         None if refresh or reuse is None else torch.tensor(reuse),
-                         width, new_slots, positions, torch.arange(len(lens)))
+        return StagePlan(self, refresh, None if reuse is None else torch.tensor(reuse), width,
+                         new_slots, positions, torch.arange(len(lens)))
 
     def _match(self, tables: list[list[int]], lens: list[int]) -> list[int] | None:
         """Per sequence of the new group, the row of the kept copy it continues (one token
@@ -151,7 +151,6 @@ class DecodeStage:
         buf = self._buffers[kv_cache_layer.data_ptr()]
         buf[0, plan.rows, :, plan.new_positions] = k
         buf[1, plan.rows, :, plan.new_positions] = v
-
 
 
 def _gather_rows(buf: torch.Tensor, kv_cache_layer: torch.Tensor, key_blocks: torch.Tensor,

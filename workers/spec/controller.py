@@ -11,18 +11,18 @@ state it ran in, its wall time and the tokens it emitted; prefill included) and 
 controller keeps, per load bucket (the batch size averaged over recent steps, about a
 power of two; see `bucket_of`), an average of output tokens per second for each state;
 steps of a ramp or a drain, whose batch is far from the load, are not counted there.
-Those are regime figures: a mode's cost per request (prefill mixed
-with verification, the draft head's catch-up on new prompts, re-gathered K/V) is paid in
-steps that a decode-only sample would leave out, and those steps are most of the steps at
-high concurrency. The first `settle_steps` steps after each switch are not counted: they
-still carry the other regime's state (its request turnover, its kept K/V). Once both
-states have been measured in a bucket, the faster one is used there (switching only when
-the other is faster by `margin`, and not before the state entered last has been measured
-for `settle_steps + min_samples` steps, so that noise does not flap it); until then the
-threshold rule above decides. So that a stale figure cannot lock a mode in, the other state is
-re-measured for `settle_steps + explore_steps` steps after every `explore_every` steps in
-one state (a bounded cost: a few percent of the steps, at the other mode's speed). Figures
-are kept across `set_mode`: steps served in "on" or "off" teach "auto" too.
+Those are regime figures: a mode's cost per request (prefill mixed with verification, the
+draft head's catch-up on new prompts, re-gathered K/V) is paid in steps that a
+decode-only sample would leave out, and those steps are most of the steps at high
+concurrency. The first `settle_steps` steps after each switch are not counted: they still
+carry the other regime's state (its request turnover, its kept K/V). Once both states
+have been measured in a bucket, the faster one is used there (switching only when the
+other is faster by `margin`, and not before the state entered last has been measured for
+`settle_steps + min_samples` steps, so that noise does not flap it); until then the
+threshold rule above decides. So that a stale figure cannot lock a mode in, the other
+state is re-measured for `settle_steps + explore_steps` steps after every `explore_every`
+steps in one state (a bounded cost: a few percent of the steps, at the other mode's
+speed). Figures are kept across `set_mode`: steps served in "on" or "off" teach "auto" too.
 
 Each change of state is returned as one `SpecEvent` (the engine logs it as one structured
 record): what changed, why, and the figures behind the decision.
@@ -174,8 +174,8 @@ class SpecController:
         self.num_steps_on = 0
         self.num_transitions = 0
         self.last_batch_size = 0
-        # The batch size of recorded steps, averaged like the figures: the key of the bucket
-        # a step is counted in and decided by. A regime's steps vary in batch size (a
+        # The batch size of recorded steps, averaged (weight LOAD_WEIGHT): the key of the
+        # bucket a step is counted in and decided by. A regime's steps vary in batch size (a
         # prefill lowers it for a step or two) but belong to one regime and one figure.
         self.load = 0.0
         self.num_recorded = 0
