@@ -8,8 +8,8 @@ for the device's results).
 On the CPU the "device" is the host: overlap cannot hide anything, the host is busy for
 the whole step, and graphs run as a synchronous stand-in (slower: it re-plans attention
 from the static buffers); the run still checks that every pipeline produces the first
-one's tokens. Speculative steps run whole even with overlap on (they need the accepted
-tokens on the host: docs/overlap.md).
+one's tokens. With overlap on, speculative steps overlap too (accepted counts and drafts
+stay on the device: docs/overlap.md).
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ def build_attention_metadata(
     device: torch.device,
     tree_mask: torch.Tensor | None = None,
     stage: DecodeStage | None = None,
+    shift: torch.Tensor | None = None,
+    max_shift: list[int] | None = None,
 ) -> AttentionMetadata:
     """Metadata for sequences laid out one after another.
 
@@ -86,8 +88,15 @@ def build_attention_metadata(
     step (S >= T); block_tables[b]: its block ids, covering at least S tokens; tree_mask:
     int64 [sum(query_lens)] on `device`, or None for causal rows; stage: the runner's kept
     decode K/V (CPU plain steps only), used for the group of query length 1.
+
+    shift: int64 [B] on `device`, or None: positions the host does not know yet (overlap
+    scheduling of speculative steps: the accepted drafts of the step in flight). Sequence
+    b's KV length is then seq_lens[b] + shift[b], computed on the device (no host read);
+    0 <= shift[b] <= max_shift[b], and block_tables[b] must cover seq_lens[b] + max_shift[b].
     """
-    _check_lengths(query_lens, seq_lens, block_tables, block_size, tree_mask)
+    bounds = (seq_lens if max_shift is None
+              else [s + m for s, m in zip(seq_lens, max_shift, strict=True)])
+    _check_lengths(query_lens, bounds, block_tables, block_size, tree_mask)
     num_seqs = len(query_lens)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables],
@@ -100,11 +109,16 @@ def build_attention_metadata(
     seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [N]
     kv_pos = (torch.arange(int(start_loc[-1])) - start_loc[seq_of_row]
               + (s_lens - q_lens)[seq_of_row])
+    if shift is not None:
+        # From here on the lengths live on the device: upload what the host built, shift.
+        tables, seq_of_row, kv_pos = (upload(t, device) for t in (tables, seq_of_row, kv_pos))
+        s_lens = upload(s_lens, device) + shift
+        kv_pos = kv_pos + shift[seq_of_row]
     slot_mapping = tables[seq_of_row, kv_pos // block_size] * block_size + kv_pos % block_size
     groups: tuple[QueryGroup, ...] = ()
     if device.type == "cpu":
         groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask,
-                               slot_mapping, block_tables, stage)
+                               slot_mapping, block_tables, stage, s_lens, bounds)
     return AttentionMetadata(
         query_start_loc=upload(start_loc.to(torch.int32), device),
         seq_lens=upload(s_lens.to(torch.int32), device),
@@ -112,7 +126,7 @@ def build_attention_metadata(
         slot_mapping=upload(slot_mapping, device),
         tree_mask=tree_mask,
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+        max_seq_len=max(bounds),
         block_size=block_size,
         groups=groups,
         num_seqs=num_seqs,
@@ -186,16 +200,20 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
 def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
                   start_loc: torch.Tensor, block_size: int, tree_mask: torch.Tensor | None,
                   slot_mapping: torch.Tensor, block_tables: list[list[int]],
-                  stage: DecodeStage | None) -> tuple[QueryGroup, ...]:
+                  stage: DecodeStage | None, s_lens: torch.Tensor, bounds: list[int]
+                  ) -> tuple[QueryGroup, ...]:
+    """s_lens int64 [B]: the KV lengths (shifted, if they are); `bounds` bound them on the
+    host (the groups' key width; seq_lens when nothing is shifted)."""
     members: dict[int, list[int]] = {}
     for b, t in enumerate(query_lens):
         members.setdefault(t, []).append(b)
     num_rows = int(start_loc[-1])
     groups = []
     for t, seqs in members.items():
-        group = _build_group(seqs, t, seq_lens, tables, start_loc, block_size, tree_mask,
+        width = max(bounds[b] for b in seqs)
+        group = _build_group(seqs, t, s_lens, width, tables, start_loc, block_size, tree_mask,
                              num_rows)
-        if stage is not None and t == 1 and tree_mask is None:
+        if stage is not None and t == 1 and tree_mask is None and bounds is seq_lens:
             width = int(group.mask.shape[-1])
             plan = stage.plan([block_tables[b] for b in seqs], [seq_lens[b] for b in seqs],
                               width, slot_mapping[group.rows])
@@ -206,13 +224,14 @@ def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tens
     return tuple(groups)
 
 
-def _build_group(seqs: list[int], t: int, seq_lens: list[int], tables: torch.Tensor,
-                 start_loc: torch.Tensor, block_size: int, tree_mask: torch.Tensor | None,
-                 num_rows: int) -> QueryGroup:
+def _build_group(seqs: list[int], t: int, all_s_lens: torch.Tensor, width: int,
+                 tables: torch.Tensor, start_loc: torch.Tensor, block_size: int,
+                 tree_mask: torch.Tensor | None, num_rows: int) -> QueryGroup:
+    """One group; width: a host bound on its KV lengths (no length is read here)."""
     index = torch.tensor(seqs, dtype=torch.int64)
-    s_lens = torch.tensor([seq_lens[b] for b in seqs], dtype=torch.int64)  # [G]
+    s_lens = all_s_lens[index]  # [G]
     rows = (start_loc[index][:, None] + torch.arange(t)).reshape(-1)  # [G * T]
-    max_blocks = -(-int(s_lens.max()) // block_size)
+    max_blocks = -(-width // block_size)
     key_blocks = tables[index][:, :max_blocks].reshape(-1)  # [G * max_blocks]
     key_pos = torch.arange(max_blocks * block_size)  # [S_pad]
     # Key j relative to the first query key of its sequence: < 0 is prefix, [0, T) is new.

@@ -22,6 +22,12 @@ class ScheduledSequence:
     `Sequence.pending_sample_ids`) and how many draft tokens it verifies (`num_drafts`).
     Built without them (tests, the runner's own callers), they are read from `seq` now.
     `seq.block_ids` already covers every token computed this step.
+
+    `lagged_sample_id` (overlap scheduling of speculative steps): the step verifies the
+    drafts that the step of that sample made on the device, and `start` is a lower bound:
+    the true start is `start` plus that step's accepted drafts (at most `num_drafts`),
+    which only the device knows when this step is launched, and at most `max_shift`.
+    Blocks cover the upper bound.
     """
 
     seq: Sequence
@@ -30,6 +36,8 @@ class ScheduledSequence:
     needs_sample: bool = False
     sample_id: int | None = None
     num_drafts: int = -1
+    lagged_sample_id: int | None = None
+    max_shift: int = 0
 
     def __post_init__(self) -> None:
         if self.start < 0:

@@ -20,6 +20,7 @@ from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.overlap import PendingSpec
 from specd.workers.spec.worker import (
     SpecFigures,
     SpeculativeWorker,
@@ -47,10 +48,11 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class _InFlight:
-    """A launched step whose results the host has not read yet (overlap scheduling)."""
+    """A launched step whose results the host has not read yet (overlap scheduling):
+    a plain step (`PendingOutput`) or a speculative one (`PendingSpec`)."""
 
     batch: ScheduledBatch
-    pending: PendingOutput
+    pending: PendingOutput | PendingSpec
     t0: float
 
 
@@ -165,26 +167,45 @@ class EngineCore:
 
         With overlap scheduling the step is split: schedule and launch step N, then
         process step N - 1's results (which the host reads only now), so the deltas lag
-        one call behind. Speculative steps need the accepted tokens before drafting, so
-        they run whole, after the in-flight step is processed (drained).
+        one call behind. Speculative steps overlap too (spec/overlap.py: accepted counts
+        and drafts stay on the device); a change of speculation state drains the step in
+        flight and runs one whole step (see `_overlap_kind`).
         """
-        if self.overlap and self._can_overlap():
-            return self._step_overlapped()
-        return self._drain() + self._step_whole()
+        kind = self._overlap_kind() if self.overlap else None
+        if kind is not None:
+            return self._step_overlapped(kind)
+        deltas = self._drain()
+        # The next step runs from what the host knows: drafts made on the device by the
+        # step just drained are not verified (the sequences decode one plain step).
+        self.scheduler.drop_lagged_drafts()
+        return deltas + self._step_whole()
 
-    def _can_overlap(self) -> bool:
+    def _overlap_kind(self) -> str | None:
+        """How the next step overlaps the one in flight: "plain", "spec", or None (drain
+        it and run a whole step): speculation was switched since the step in flight was
+        launched, or plain steps resume while drafts `propose` made wait on the host."""
         if self.spec is None:
-            return True
-        return not self.spec.controller.enabled and not any(
-            s.spec_token_ids for s in self.scheduler.running)
+            return "plain"
+        in_flight = self._in_flight
+        spec_in_flight = in_flight is not None and isinstance(in_flight.pending, PendingSpec)
+        if self.spec.controller.enabled:
+            return "spec" if in_flight is None or spec_in_flight else None
+        if spec_in_flight or any(s.spec_token_ids for s in self.scheduler.running):
+            return None
+        return "plain"
 
-    def _step_overlapped(self) -> list[RequestDelta]:
+    def _step_overlapped(self, kind: str) -> list[RequestDelta]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
-            pending = (self.runner.launch(batch) if self.spec is None
-                       else self.spec.launch_plain(batch))
+            pending: PendingOutput | PendingSpec
+            if self.spec is None:
+                pending = self.runner.launch(batch)
+            elif kind == "spec":
+                pending = self.spec.launcher.launch(batch)
+            else:
+                pending = self.spec.launch_plain(batch)
             launched = _InFlight(batch, pending, t0)
         deltas = self._drain()
         self._in_flight = launched
@@ -195,7 +216,9 @@ class EngineCore:
         if self._in_flight is None:
             return []
         in_flight, self._in_flight = self._in_flight, None
-        return self._finish(in_flight.batch, in_flight.pending.resolve(), in_flight.t0)
+        pending = in_flight.pending
+        return self._finish(in_flight.batch, pending.resolve(), in_flight.t0,
+                            pending if isinstance(pending, PendingSpec) else None)
 
     def _step_whole(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
@@ -206,17 +229,23 @@ class EngineCore:
                   else self.spec.execute(batch))
         return self._finish(batch, output, t0)
 
-    def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float
-                ) -> list[RequestDelta]:
-        """update -> (speculation: controller, drafts for the next step) -> deltas."""
+    def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float,
+                spec_pending: PendingSpec | None = None) -> list[RequestDelta]:
+        """update -> (speculation: controller, drafts for the next step) -> deltas.
+        `spec_pending`: the step was an overlapped speculative one, which drafted for the
+        next step itself (on the device)."""
         updated = self.scheduler.update(batch, output)
         if self.spec is not None:
             controller = self.spec.controller
             ran_speculating = controller.enabled  # the state this step ran in
+            if spec_pending is not None:
+                ran_speculating = True
+                spec_pending.after_update()
             # Drafts for the next step: after update, which consumes the previous drafts
             # and appends the tokens the drafts continue from.
             _log_switch(self.spec.update_controller(self.scheduler.num_running))
-            self.spec.propose(updated)
+            if spec_pending is None:
+                self.spec.propose(updated)
             step_s = self._step_time(t0)
             # Every step is a sample of the state it ran in, prefill and all (drafting for
             # the next step included): what a mode yields is its regime's throughput, request

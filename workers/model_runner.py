@@ -219,7 +219,9 @@ class ModelRunner:
 
     def _write_futures(self, sample_ids: list[int], tokens: torch.Tensor) -> None:
         if sample_ids and min(sample_ids) >= 0:
-            index = torch.tensor(sample_ids, device=self.device) % self.future_tokens.shape[0]
+            # Staged through pinned memory: a pageable copy would wait for the step in flight.
+            index = (upload(torch.tensor(sample_ids, dtype=torch.int64), self.device)
+                     % self.future_tokens.shape[0])
             self.future_tokens[index] = tokens
 
     def _resolve_placeholders(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import TokenLogprobs
+from specd.workers.host_copy import upload
 
 
 def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -34,13 +35,15 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     """
     _check_rows(logits, params, "params")
     logits = logits.float()
-    temperature = torch.tensor(
-        [1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
+    # Per-row settings go up through pinned memory (upload): a pageable copy would wait
+    # for the step in flight, which overlap scheduling launches this one beside.
+    temperature = upload(torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params]), logits.device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [M, V]
     if any(_filters(p) for p in params if not p.is_greedy):
         probs = _filter(probs, params)
     if any(p.is_greedy for p in params):  # decided on the host: no device sync
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)  # [M]
+        greedy = upload(torch.tensor([p.is_greedy for p in params]), logits.device)  # [M]
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
@@ -129,10 +132,10 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     """Apply top-k, top-p and min-p to `probs` [M, V] and renormalize."""
     num_rows, vocab = probs.shape
     device = probs.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                         device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = upload(torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
+                   device)
+    top_p = upload(torch.tensor([p.top_p for p in params]), device)
+    min_p = upload(torch.tensor([p.min_p for p in params]), device)
     # Sorted descending; stable so that equal probs keep token-id order. [M, V] each.
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
 

@@ -29,6 +29,16 @@ accepted drafts, num_computed_tokens drops by the k - a rejected drafts: their s
 simply written over later. This assumes the accepted drafts' KV sits in the slots
 of positions num_tokens - 1 + 1 .. + a (a chain); with a draft tree, verification must move
 the accepted path's KV there before `update`.
+
+Overlap scheduling of speculation: a sequence whose drafts the step in flight made on the
+device (`seq.lagged_sample_id`) is scheduled before that step's accepted count is known:
+a verify of its drafts + 1 rows from the lower bound `num_tokens + num_placeholders - 1`,
+which the device shifts by the accepted count (`ScheduledSequence.max_shift` bounds it).
+While a verify is in flight `num_computed_tokens` counts all its drafts as accepted, so
+the blocks appended cover the latest position the lagged verify can write; `update`
+takes the rejected back as above. A lagged verify that does not fit the budget or
+max_model_len at its latest start is not scheduled; its drafts are stale once the step
+in flight is read.
 """
 
 from __future__ import annotations
@@ -172,7 +182,12 @@ class Scheduler:
                 break  # out of budget, or seq itself was preempted (it was the last)
             if self._awaits_its_last_sample(seq):
                 continue
-            num_new = self._num_tokens_to_run(seq, budget)
+            if seq.lagged_sample_id is not None:
+                num_new = seq.num_lagged_drafts + 1
+                if not self._lag_fits(seq, budget):
+                    continue  # sits this step out; drafts again once its result is read
+            else:
+                num_new = self._num_tokens_to_run(seq, budget)
             while not self.block_manager.can_append_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -191,6 +206,8 @@ class Scheduler:
 
     def _schedule_tokens(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         """Fix the step's view of `seq` and advance its bookkeeping (see module docstring)."""
+        if seq.lagged_sample_id is not None:
+            return self._schedule_lagged(seq, num_new)
         start = seq.num_computed_tokens
         needs_sample = start + num_new >= seq.num_tokens + seq.num_placeholders
         sample_id = None
@@ -201,6 +218,32 @@ class Scheduler:
         seq.num_computed_tokens += num_new
         return ScheduledSequence(seq, num_new, start=start, needs_sample=needs_sample,
                                  sample_id=sample_id, num_drafts=len(seq.spec_token_ids))
+
+    def _schedule_lagged(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        """A verify of drafts made on the device by the step in flight (see module
+        docstring): it starts at the root that step's bonus token takes, the lower bound
+        `num_tokens + num_placeholders - 1` plus the drafts it accepts (device only).
+
+        `num_computed_tokens` is an upper bound while a verify is in flight (it counts
+        every draft as accepted until `update` takes the rejected back), so advancing it
+        by `num_new` makes `append_slots` cover the latest position this step can write.
+        """
+        sample_id = self.num_samples
+        self.num_samples += 1
+        start = seq.num_tokens + seq.num_placeholders - 1
+        max_shift = seq.num_computed_tokens - start  # the drafts the step in flight verifies
+        seq.pending_sample_ids.append(sample_id)
+        seq.num_computed_tokens += num_new
+        return ScheduledSequence(seq, num_new, start=start, needs_sample=True,
+                                 sample_id=sample_id, num_drafts=num_new - 1,
+                                 lagged_sample_id=seq.lagged_sample_id, max_shift=max_shift)
+
+    def _lag_fits(self, seq: Sequence, budget: int) -> bool:
+        """Whether a lagged verify fits the budget and, at its latest start (every draft
+        in flight accepted; at most as many as this verify's), max_model_len."""
+        k = seq.num_lagged_drafts
+        latest_end = seq.num_tokens + seq.num_placeholders - 1 + 2 * k + 1
+        return budget >= k + 1 and latest_end <= self.max_model_len
 
     def _awaits_its_last_sample(self, seq: Sequence) -> bool:
         """Pending samples already reach max_tokens or max_model_len: nothing more to run."""
@@ -235,6 +278,9 @@ class Scheduler:
                 raise ValueError(f"request {seq.request_id}: result for sample {item.sample_id} "
                                  f"out of order (pending {seq.pending_sample_ids})")
             seq.pending_sample_ids.pop(0)
+            if seq.lagged_sample_id == item.sample_id:
+                # No later step verifies the drafts this one made: they are stale now.
+                seq.lagged_sample_id, seq.num_lagged_drafts = None, 0
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens -= item.num_drafts - (len(sampled) - 1)
                 seq.spec_token_ids = []
@@ -245,6 +291,12 @@ class Scheduler:
                 self._release(seq)
             changed.append(seq)
         return changed
+
+    def drop_lagged_drafts(self) -> None:
+        """Forget every device-side draft (the engine leaves overlapped speculation: the
+        next step of each sequence runs from what the host knows)."""
+        for seq in self.running:
+            seq.lagged_sample_id, seq.num_lagged_drafts = None, 0
 
     def _remove(self, seq: Sequence) -> None:
         """Take a sequence out of the running list or (preempted) the waiting queue."""
@@ -288,6 +340,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
+        seq.lagged_sample_id, seq.num_lagged_drafts = None, 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

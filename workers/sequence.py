@@ -56,6 +56,11 @@ class Sequence:
         # the device resolves them; see scheduler.py). Each is a placeholder token after
         # the output tokens, fed to the model as `placeholder_token_id(sample_id)`.
         self.pending_sample_ids: list[int] = []
+        # Overlap scheduling of speculative steps: drafts for this sequence's next verify
+        # that the step in flight made on the device (spec/futures.py), known to the host
+        # only by the id of that step's sample and their number. None/0 when there are none.
+        self.lagged_sample_id: int | None = None
+        self.num_lagged_drafts = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -34,6 +34,9 @@ def test_overlap_on_gives_the_whole_step_engines_output(
         assert core.runner.num_placeholders_resolved > 0
     if mode in ("chain", "tree", "auto-threshold"):
         assert core.stats().num_accepted > 0
+        # Speculative steps really overlapped: verifies launched before the host knew
+        # where they start (the drafts and the accepted count of the step in flight).
+        assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
 
 
 def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[int]]) -> None:
@@ -56,6 +59,49 @@ def test_overlap_under_preemption(whole_step: dict[str, list[int]]) -> None:
         assert_same(got, whole_step)
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_lagged_verify_at_the_wrong_start_is_caught(
+        whole_step: dict[str, list[int]], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The identity tests can fail: read every accepted count as 0 (as if the host's lower
+    # bound were the start) and the lagged verifies check drafts at the wrong positions.
+    from specd.workers.spec.futures import DraftFutures
+
+    real = DraftFutures.write_accepted
+
+    def forget(self: DraftFutures, index: Any, accepted: Any) -> None:
+        real(self, index, accepted * 0)
+
+    monkeypatch.setattr(DraftFutures, "write_accepted", forget)
+    got, _ = run(True, **MODES[mode])
+    assert got != whole_step
+
+
+def test_overlapped_speculation_gives_the_whole_step_logprobs() -> None:
+    def generate(overlap: bool) -> dict[str, tuple[list[int], list[Any]]]:
+        core = EngineCore(EngineConfig(overlap_schedule=overlap, dtype="float32",
+                                       spec_mode="on", spec_topk=3, spec_num_steps=3,
+                                       spec_num_draft_tokens=8))
+        for i in range(3):
+            core.add_request(f"r{i}", PROMPTS[i], SamplingParams(
+                max_tokens=12 + 4 * i, ignore_eos=True, logprobs=2 + i))
+        out: dict[str, tuple[list[int], list[Any]]] = {f"r{i}": ([], []) for i in range(3)}
+        while core.has_unfinished():
+            for d in core.step():
+                out[d.request_id][0].extend(d.new_token_ids)
+                out[d.request_id][1].extend(d.logprobs)
+        if overlap:
+            assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+        return out
+
+    whole, overlapped = generate(False), generate(True)
+    for request_id, (tokens, logprobs) in whole.items():
+        got_tokens, got_logprobs = overlapped[request_id]
+        assert got_tokens == tokens and len(got_logprobs) == len(logprobs) == len(tokens)
+        for a, b in zip(got_logprobs, logprobs, strict=True):
+            assert a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_whole_step_engine_never_reads_a_placeholder() -> None:
     _, core = run(False, speculative_algorithm=None)
     assert core.runner.num_placeholders_resolved == 0
@@ -76,34 +122,50 @@ def test_the_host_reads_a_step_only_after_launching_the_next() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["no-head", "spec-off", "chain"])
+@pytest.mark.parametrize("mode", ["no-head", "spec-off", "chain", "tree"])
 def test_overlap_on_cuda_gives_the_whole_step_output(mode: str) -> None:
     # Real streams and events: the host reads step N only after launching step N + 1.
     options = {"device": "cuda", "dtype": "bfloat16", **MODES[mode]}
     expected, _ = run(False, **dict(options))
     got, core = run(True, **dict(options))
     assert_same(got, expected)
-    if mode != "chain":
+    if mode in ("chain", "tree"):
+        assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+    else:
         assert core.runner.num_placeholders_resolved > 0
 
 
 def test_each_verify_waits_for_the_drafts_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     # Drafting runs on its own stream (a synchronous stand-in here): every verify must be
     # ordered after a draft section issued since the previous verify, and only then run.
+    # Both paths: whole steps (SpeculativeWorker) and overlapped ones (SpecLauncher).
+    from specd.workers.spec.overlap import SpecLauncher
     from specd.workers.spec.worker import SpeculativeWorker
 
     order_at_verify: list[tuple[str, int]] = []
-    real = SpeculativeWorker._verify
+    real_whole, real_overlapped = SpeculativeWorker._verify, SpecLauncher._verify
 
-    def verify(self: SpeculativeWorker, *args: Any) -> None:
+    def verify_whole(self: SpeculativeWorker, *args: Any) -> None:
         order_at_verify.append(self.streams.order[-1])
-        real(self, *args)
+        real_whole(self, *args)
 
-    monkeypatch.setattr(SpeculativeWorker, "_verify", verify)
-    _, core = run(True, spec_mode="on", spec_topk=3, spec_num_steps=3,
-                  spec_num_draft_tokens=8)
-    assert core.spec is not None
-    assert len(order_at_verify) >= 10
+    def verify_overlapped(self: SpecLauncher, *args: Any) -> Any:
+        order_at_verify.append(self.worker.streams.order[-1])
+        return real_overlapped(self, *args)
+
+    monkeypatch.setattr(SpeculativeWorker, "_verify", verify_whole)
+    monkeypatch.setattr(SpecLauncher, "_verify", verify_overlapped)
+    for overlap in (False, True):
+        order_at_verify.clear()
+        _, core = run(overlap, spec_mode="on", spec_topk=3, spec_num_steps=3,
+                      spec_num_draft_tokens=8)
+        assert core.spec is not None
+        assert len(order_at_verify) >= 10
+        _check_each_verify_waits_for_a_new_section(order_at_verify)
+
+
+def _check_each_verify_waits_for_a_new_section(order_at_verify: list[tuple[str, int]]
+                                               ) -> None:
     # The last stream record before each verify is a wait for the latest draft section...
     assert all(kind == "wait" for kind, _ in order_at_verify)
     # ...and a new section was drafted for every verify (none reuses older drafts).

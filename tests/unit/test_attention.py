@@ -120,3 +120,29 @@ def test_cpu_path_agrees_with_the_kernel_reference() -> None:
         meta.tree_mask, 0.3, meta.max_query_len)
     torch.testing.assert_close(paged_attention(q, cache, meta, 0.3), expected, atol=1e-5,
                                rtol=0)
+
+
+def test_a_device_side_shift_gives_the_metadata_of_the_shifted_lengths() -> None:
+    # Overlap scheduling of speculation: the host builds a step from lower-bound lengths
+    # and the device adds what it alone knows (accepted drafts). The result must be the
+    # metadata of the true lengths: same slots, lengths and attention output.
+    query_lens, seq_lens, shifts = [4, 1, 4, 7], [9, 5, 6, 7], [2, 0, 3, 0]
+    true_lens = [s + d for s, d in zip(seq_lens, shifts, strict=True)]
+    q, cache, tables = random_case(query_lens, [s + 3 for s in seq_lens], seed=5)
+    exact = build_attention_metadata(query_lens, true_lens, tables, BLOCK_SIZE, CPU)
+    shifted = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU,
+                                       shift=torch.tensor(shifts), max_shift=[3, 0, 3, 0])
+    assert torch.equal(shifted.slot_mapping, exact.slot_mapping)
+    assert torch.equal(shifted.seq_lens, exact.seq_lens)
+    assert shifted.max_seq_len >= exact.max_seq_len
+    scale = HEAD_DIM ** -0.5
+    torch.testing.assert_close(paged_attention(q, cache, shifted, scale),
+                               reference(q, cache, query_lens, true_lens, tables, scale, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_shift_needs_blocks_for_its_bound() -> None:
+    _, _, tables = random_case([2], [8], seed=6)  # two blocks: 8 tokens
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([2], [7], tables, BLOCK_SIZE, CPU, shift=torch.tensor([0]),
+                                 max_shift=[2])

@@ -415,3 +415,60 @@ def test_random_workloads_keep_the_cache_consistent_and_decode_greedily(seed: in
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
     for seq in finished:
         assert seq.output_token_ids == reference_output(seq, max_model_len), seq.request_id
+
+
+@pytest.mark.parametrize(("accepted_first", "accepted_second"), [(0, 0), (3, 1), (2, 3)])
+def test_a_lagged_verify_is_scheduled_before_the_verify_in_flight_is_read(
+        accepted_first: int, accepted_second: int) -> None:
+    # Overlap scheduling of speculation: step 2 verifies drafts that step 1 made on the
+    # device, scheduled before step 1's result is known. Its start is a lower bound (every
+    # draft of step 1 rejected) with max_shift = step 1's drafts; the blocks cover the
+    # latest start, and after both updates the bookkeeping is the whole-step one.
+    scheduler = make_scheduler()
+    seq = make_seq("a", num_prompt=6)
+    start_decoding(scheduler, seq)  # 7 tokens, 6 computed
+    seq.spec_token_ids = [20, 21, 22]
+    first = scheduler.schedule()  # verifies positions 6..9 (host drafts)
+    seq.lagged_sample_id, seq.num_lagged_drafts = first.scheduled[0].sample_id, 3
+    second = scheduler.schedule()
+    item = second.scheduled[0]
+    assert plan(second) == [("a", 7, 4)]  # the root is at 7 + accepted_first
+    assert item.lagged_sample_id == first.scheduled[0].sample_id and item.max_shift == 3
+    assert item.num_drafts == 3 and item.needs_sample
+    assert len(seq.block_ids) * BLOCK >= 7 + 3 + 4  # latest start + 4 rows
+    sampled1 = [20, 21, 22][:accepted_first] + [30]
+    sampled2 = [40, 41, 42][:accepted_second] + [50]
+    scheduler.update(first, ModelOutput(sampled={"a": sampled1}))
+    assert seq.lagged_sample_id is None  # read: no later launch drafted for it here
+    scheduler.update(second, ModelOutput(sampled={"a": sampled2}))
+    assert seq.output_token_ids == [7] + sampled1 + sampled2
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    assert seq.pending_sample_ids == []
+
+
+def test_a_lagged_verify_that_does_not_fit_sits_the_step_out() -> None:
+    # max_model_len 13: a verify of 4 rows from a latest start of 7 + 3 would pass it, so
+    # the sequence waits for the step in flight; its device drafts are stale after that.
+    scheduler = make_scheduler(max_model_len=13)
+    seq = make_seq("a", num_prompt=6)
+    start_decoding(scheduler, seq)
+    seq.spec_token_ids = [20, 21, 22]
+    first = scheduler.schedule()
+    seq.lagged_sample_id, seq.num_lagged_drafts = first.scheduled[0].sample_id, 3
+    assert scheduler.schedule().is_empty
+    scheduler.update(first, ModelOutput(sampled={"a": [20, 30]}))
+    assert seq.lagged_sample_id is None and seq.num_lagged_drafts == 0
+    assert plan(scheduler.schedule()) == [("a", 8, 1)]  # a plain step from the host's view
+
+
+def test_preemption_and_leaving_overlap_drop_device_drafts() -> None:
+    scheduler = make_scheduler()
+    a, b = make_seq("a"), make_seq("b", first=30)
+    start_decoding(scheduler, a)
+    start_decoding(scheduler, b)
+    for seq in (a, b):
+        seq.lagged_sample_id, seq.num_lagged_drafts = 99, 3
+    scheduler._preempt(b)
+    assert b.lagged_sample_id is None and b.num_lagged_drafts == 0
+    scheduler.drop_lagged_drafts()
+    assert a.lagged_sample_id is None and a.num_lagged_drafts == 0

@@ -279,3 +279,22 @@ def test_kv_moves_make_the_accepted_path_contiguous():
     chain = accept_greedy(chain_tree(torch.tensor([9]), torch.tensor([[1, 2]])),
                           torch.tensor([[1, 2, 5]]))
     assert chain.kv_moves() == [[]]
+
+
+@pytest.mark.parametrize(("topk", "steps", "num_draft_tokens"), [(1, 4, 5), (3, 3, 8)])
+def test_fixed_loops_read_nothing_and_accept_the_same(topk, steps, num_draft_tokens):
+    # Overlap scheduling accepts with fixed loops (no host reads of the trees or of the
+    # walk): the outcome must be the early-stopping walk's, greedy and sampled alike.
+    gen = torch.Generator().manual_seed(11)
+    roots = torch.randint(0, VOCAB, (64,), generator=gen)
+    tree = draft_trees(bigram(12), roots, topk, steps, num_draft_tokens)
+    logits = torch.randn(64, tree.num_nodes, VOCAB, generator=gen) * 3
+    for params in (SamplingParams(), SAMPLED):
+        early = accept_tree(tree, logits, [params] * 64, [None] * 64,
+                            torch.Generator().manual_seed(4))
+        fixed = accept_tree(tree, logits, [params] * 64, [None] * 64,
+                            torch.Generator().manual_seed(4), max_depth=steps,
+                            max_children=topk)
+        assert fixed.token_lists() == early.token_lists()
+        assert fixed.node_lists() == early.node_lists()
+        assert fixed.accepted_nodes.shape == (64, steps)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.ipc.sampling import SamplingParams
+from specd.workers.host_copy import upload
 from specd.workers.sampler import probs_from_logits, sample_from_probs
 from specd.workers.spec.tree import DraftTree
 
@@ -66,15 +67,18 @@ class Acceptance:
                 for nodes in self.node_lists()]
 
 
-def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
-    """target_argmax [B, T]: the target's argmax after each node (its logits' argmax)."""
+def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor,
+                  max_depth: int | None = None) -> Acceptance:
+    """target_argmax [B, T]: the target's argmax after each node (its logits' argmax).
+    max_depth: a bound on the trees' depth; given, the walk reads nothing on the host (a
+    fixed number of levels, D = max_depth columns in the result), else it stops early."""
     _check_shape(tree, target_argmax, "target_argmax")
     batch, _ = tree.token_ids.shape
     rows = torch.arange(batch, device=target_argmax.device)
     cur = torch.zeros(batch, dtype=torch.long, device=target_argmax.device)
     active = torch.ones(batch, dtype=torch.bool, device=target_argmax.device)
     path = []
-    for _ in range(int(tree.depths.max())):
+    for _ in range(int(tree.depths.max()) if max_depth is None else max_depth):
         want = target_argmax[rows, cur]  # [B]
         match = (tree.parents == cur[:, None]) & (tree.token_ids == want[:, None]) & active[:, None]
         found = match.any(dim=1)
@@ -83,7 +87,7 @@ def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
         path.append(torch.where(found, child, -1))
         cur = torch.where(found, child, cur)
         active = found
-        if not bool(found.any()):
+        if max_depth is None and not bool(found.any()):
             break
     bonus = target_argmax[rows, cur]
     return _result(path, tree, bonus)
@@ -92,13 +96,17 @@ def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> Acceptance:
 def accept_sampled(tree: DraftTree, target_probs: torch.Tensor,
                    generators: Sequence[torch.Generator | None],
                    draft_probs: torch.Tensor | None = None,
-                   default_generator: torch.Generator | None = None) -> Acceptance:
+                   default_generator: torch.Generator | None = None,
+                   max_depth: int | None = None, max_children: int | None = None
+                   ) -> Acceptance:
     """Tree rejection sampling.
 
     target_probs [B, T, V]: each node's filtered target distribution (`probs_from_logits`;
     greedy rows one-hot, which makes this rule greedy acceptance). draft_probs [B, T, V] or
     None: the distribution each node was drafted from (None = chosen deterministically).
     generators: one per sequence (None = `default_generator`, None = torch's global one).
+    max_depth, max_children: bounds on the trees' depth and on any node's children; given,
+    the walk reads nothing on the host (fixed loops), else it reads both from the trees.
     """
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [B, T, V], got {tuple(target_probs.shape)}")
@@ -111,13 +119,15 @@ def accept_sampled(tree: DraftTree, target_probs: torch.Tensor,
         raise ValueError(
             f"generators must have one entry per tree ({batch}), got {len(generators)}")
     uniforms = _uniforms(batch, num_nodes, generators, default_generator, target_probs.device)
-    path, residual = _walk(tree, target_probs.float(), uniforms, draft_probs)
+    path, residual = _walk(tree, target_probs.float(), uniforms, draft_probs, max_depth,
+                           max_children)
     last = sample_from_probs(residual, generators, default_generator)
     return _result(path, tree, last)
 
 
 def _walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor,
-          draft_probs: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+          draft_probs: torch.Tensor | None, max_depth: int | None = None,
+          max_children: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The rejection walk, all trees at once. Returns the accepted node per depth ([B] each,
     -1 once a tree stopped) and the distribution [B, V] the last token is drawn from."""
     batch = probs.shape[0]
@@ -126,12 +136,14 @@ def _walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor,
     residual = probs[:, 0]  # [B, V]
     active = torch.ones(batch, dtype=torch.bool, device=probs.device)
     path = []
-    for _ in range(int(tree.depths.max())):
+    fixed = max_depth is not None and max_children is not None
+    for _ in range(max_depth if max_depth is not None else int(tree.depths.max())):
         is_child = (tree.parents == cur[:, None]) & active[:, None]  # [B, T]
         rank = is_child.cumsum(dim=1) - 1  # order among the current node's children
         found = torch.zeros_like(active)
         chosen = cur.clone()
-        for slot in range(int(is_child.sum(dim=1).max())):
+        num_slots = max_children if fixed else int(is_child.sum(dim=1).max())
+        for slot in range(num_slots or 0):
             trying = is_child & (rank == slot)
             has = trying.any(dim=1) & ~found  # [B]
             child = trying.to(torch.int8).argmax(dim=1)
@@ -148,7 +160,7 @@ def _walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor,
         path.append(torch.where(found, chosen, -1))
         residual = torch.where(found[:, None], probs[rows, chosen], residual)
         cur, active = chosen, found
-        if not bool(found.any()):
+        if not fixed and not bool(found.any()):
             break
     return path, residual
 
@@ -170,8 +182,10 @@ def _uniforms(batch: int, num_nodes: int, generators: Sequence[torch.Generator |
     out = torch.empty(batch, num_nodes, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        out[unseeded] = torch.rand(len(unseeded), num_nodes, device=device,
-                                   generator=default_generator)
+        # The index goes up through pinned memory: a pageable copy would wait for the step
+        # in flight (overlap scheduling).
+        out[upload(torch.tensor(unseeded, dtype=torch.int64), device)] = torch.rand(
+            len(unseeded), num_nodes, device=device, generator=default_generator)
     for i, g in enumerate(generators):
         if g is not None:
             out[i] = torch.rand(num_nodes, device=device, generator=g)
@@ -198,20 +212,23 @@ def _check_shape(tree: DraftTree, per_node: torch.Tensor, name: str) -> None:
 
 def accept_tree(tree: DraftTree, target_logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None],
-                default_generator: torch.Generator | None = None) -> Acceptance:
+                default_generator: torch.Generator | None = None,
+                max_depth: int | None = None, max_children: int | None = None) -> Acceptance:
     """The engine's entry point: target_logits [B, T, V] of the verify pass, params and
     generators one per tree. All-greedy batches take `accept_greedy` (no random numbers);
     otherwise every tree goes through `accept_sampled` on `probs_from_logits` (greedy rows
-    are one-hot there, so they still follow the argmax)."""
+    are one-hot there, so they still follow the argmax). max_depth and max_children (both
+    or neither): bounds that make the walk read nothing on the host (overlap scheduling)."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, T, V], got {tuple(target_logits.shape)}")
     if len(params) != target_logits.shape[0]:
         raise ValueError(f"params must have one entry per tree ({target_logits.shape[0]}), "
                          f"got {len(params)}")
     if all(p.is_greedy for p in params):
-        return accept_greedy(tree, target_logits.argmax(dim=-1))
+        return accept_greedy(tree, target_logits.argmax(dim=-1), max_depth)
     batch, num_nodes, vocab = target_logits.shape
     row_params = [p for p in params for _ in range(num_nodes)]
     probs = probs_from_logits(target_logits.reshape(batch * num_nodes, vocab), row_params)
     return accept_sampled(tree, probs.view(batch, num_nodes, vocab), generators,
-                          default_generator=default_generator)
+                          default_generator=default_generator, max_depth=max_depth,
+                          max_children=max_children)

@@ -43,6 +43,7 @@ from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.cpu_draft import CompiledDraftLoop
 from specd.workers.spec.draft_graphs import DraftGraphs, DraftInputs, prefix_widths
 from specd.workers.spec.draft_model import DraftConfig, DraftHead
+from specd.workers.spec.overlap import SpecLauncher
 from specd.workers.spec.streams import DraftStreams
 from specd.workers.spec.tree import DraftTree, build_tree, check_parents, expand_tree, start_tree
 
@@ -131,6 +132,8 @@ class SpeculativeWorker:
         # Without graphs, `--cpu-compile` compiles the draft loop instead.
         self.compiled_draft = (CompiledDraftLoop(self.draft_loop)
                                if config.cpu_compile and self.draft_graphs is None else None)
+        # Overlap scheduling of speculative steps (drafts and accepted counts on the device).
+        self.launcher = SpecLauncher(self)
 
     def _capture_draft_graphs(self) -> DraftGraphs:
         runner, cfg = self.runner, self.config
@@ -409,6 +412,12 @@ class SpeculativeWorker:
         shape = (None if self.draft_graphs is None
                  else self.draft_graphs.shape_for(len(seqs), width))
         inputs = self._draft_inputs(seqs, last_out, width if shape is None else shape[1])
+        return self.run_draft_loop(inputs, shape)
+
+    def run_draft_loop(self, inputs: DraftInputs, shape: tuple[int, int] | None
+                       ) -> tuple[DraftTree, torch.Tensor]:
+        """The draft loop over `inputs`: the captured graph of `shape` (from
+        `draft_graphs.shape_for`, the inputs' prefix that wide), else compiled, else eager."""
         if shape is not None and self.draft_graphs is not None:
             return self.draft_graphs.run(shape, inputs)
         if self.draft_graphs is not None:
