@@ -45,17 +45,35 @@ def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[i
     assert_same(got, whole_step)
     assert core.spec is not None and core.spec.controller.num_transitions >= 3
     assert core.runner.num_placeholders_resolved > 0
+    assert core.spec.launcher.num_lagged_verifies > 0
 
 
-def test_overlap_under_preemption(whole_step: dict[str, list[int]]) -> None:
+def test_overlap_under_preemption(whole_step: dict[str, list[int]],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # 10 blocks of 16 tokens cannot hold these requests at once: some are preempted, some
-    # while a step that samples for them is still in flight.
+    # while a step that samples for them is still in flight (with speculation: a step
+    # that verified and drafted for them on the device).
     # (Measured auto is left out here: its timing-driven choices change the step count,
     # and with it whether this small cache overflows at all.)
+    from specd.workers.scheduler import Scheduler
+
+    preempted_in_flight: list[tuple[bool, bool]] = []  # (sample in flight, device drafts)
+    real = Scheduler._preempt
+
+    def preempt(self: Scheduler, seq: Any) -> None:
+        preempted_in_flight.append((bool(seq.pending_sample_ids),
+                                    seq.lagged_sample_id is not None))
+        real(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", preempt)
     for options in ({"speculative_algorithm": None}, {"spec_mode": "on"},
                     {"spec_mode": "auto", "spec_auto_measure": False}):
+        preempted_in_flight.clear()
         got, core = run(True, num_kv_blocks=10, **options)
         assert core.scheduler.num_preemptions > 0
+        assert any(in_flight for in_flight, _ in preempted_in_flight)
+        if core.spec is not None:
+            assert any(drafts for _, drafts in preempted_in_flight)
         assert_same(got, whole_step)
 
 
