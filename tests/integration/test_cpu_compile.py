@@ -46,6 +46,21 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     assert core.resolved.graphs.endswith("| draft loop compiled")
 
 
+def test_compiled_verify_and_draft_loop_under_overlapped_speculation(
+        eager: dict[str, list[int]]) -> None:
+    # Overlap scheduling: verifies launched before the previous step is read (positions
+    # and KV lengths completed on the device) run through the compiled verify step, and
+    # the draft loop starts from roots the device computed; a tiny cache preempts.
+    got, core = run(True, cpu_compile=True, spec_mode="on", num_kv_blocks=10)
+    assert_same(got, eager)
+    compiled = core.runner.compiled_decode
+    assert compiled is not None and compiled.error is None
+    assert compiled.num_verify_steps > 0
+    assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+    assert core.spec.compiled_draft is not None and core.spec.compiled_draft.num_calls > 0
+    assert core.scheduler.num_preemptions > 0
+
+
 def test_a_failed_compilation_is_logged_and_decode_runs_eagerly(
         eager: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
