@@ -38,6 +38,7 @@ from specd.ipc.client import SpecdError
 from specd.ipc.sampling import SamplingParams
 
 MAX_STEPS = 8
+NO_MEASURE = "--no-spec-auto-measure"
 TREE_TOPK = 4  # the tree offered on a GPU: EAGLE-2's usual shape
 TREE_TOKENS_PER_STEP = 2
 
@@ -147,8 +148,12 @@ def recommend(rows: list[dict[str, Any]], engine_config: dict[str, Any]) -> dict
     else:
         topk = 1 if on_cpu else TREE_TOPK
         tokens = depth if topk == 1 else min(64, TREE_TOKENS_PER_STEP * topk * depth)
+        # The measured threshold replaces auto's online measurement: with it on, the
+        # threshold only decides until both modes are measured at a load, and plain decode
+        # measured inside auto (requests staggered by speculation) runs slower than the
+        # plain decode it would switch to (docs/benchmarks.md, sixth session).
         flags = {"--spec-mode": "auto", "--spec-disable-batch-threshold": str(threshold),
-                 "--spec-num-steps": str(depth), "--spec-topk": str(topk),
+                 NO_MEASURE: "", "--spec-num-steps": str(depth), "--spec-topk": str(topk),
                  "--spec-num-draft-tokens": str(tokens)}
     return {"rows": rows, "threshold": threshold, "acceptance_rate": rate,
             "chain_depth": depth, "draft_step_ms": draft_ms, "plain_step_ms": plain_ms,
@@ -174,34 +179,46 @@ def format_tuning(tuning: dict[str, Any]) -> str:
                  else f"speculation pays up to batch size {threshold}")
     lines.append(f"per-draft acceptance rate {tuning['acceptance_rate']:.2f}; best chain "
                  f"depth {tuning['chain_depth']} on {tuning['device']}")
-    lines.append("use: " + " ".join(f"{k} {v}" for k, v in tuning["recommended_flags"].items()))
+    lines.append("use: " + " ".join(f"{k} {v}".strip()
+                                    for k, v in tuning["recommended_flags"].items()))
     return "\n".join(lines)
 
 
 def update_env_args(text: str, flags: dict[str, str]) -> str:
     """`text` (an EnvironmentFile) with each flag set in SPECD_ARGS: existing occurrences
     (`--flag value` or `--flag=value`) removed, the new `--flag value` appended; a missing
-    SPECD_ARGS line is added. Other lines are kept as they are."""
+    SPECD_ARGS line is added. Other lines are kept as they are. A flag whose value is ""
+    is a switch (`--no-x`): it is written bare, and both it and its opposite (`--x`) are
+    removed first."""
     lines = text.splitlines()
     index = next((i for i, line in enumerate(lines) if line.startswith("SPECD_ARGS=")), None)
     words = lines[index].split("=", 1)[1].split() if index is not None else []
+    switches = {f for f, v in flags.items() if v == ""}
+    switches |= {_opposite(f) for f in switches}
     kept: list[str] = []
     skip_next = False
     for word in words:
         if skip_next:
             skip_next = False
+        elif word in switches:
+            continue
         elif word in flags:
             skip_next = True
         elif word.split("=", 1)[0] not in flags:
             kept.append(word)
     for flag, value in flags.items():
-        kept += [flag, value]
+        kept += [flag] if value == "" else [flag, value]
     new_line = "SPECD_ARGS=" + " ".join(kept)
     if index is None:
         lines.append(new_line)
     else:
         lines[index] = new_line
     return "\n".join(lines) + "\n"
+
+
+def _opposite(switch: str) -> str:
+    """--no-x <-> --x."""
+    return "--" + switch[5:] if switch.startswith("--no-") else "--no-" + switch[2:]
 
 
 def update_env_file(path: Path, flags: dict[str, str]) -> str:

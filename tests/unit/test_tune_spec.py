@@ -62,6 +62,8 @@ def test_recommendation_on_cpu_is_a_chain_with_the_threshold() -> None:
             {"batch_size": 4, "off": off, "on": on, "speedup": 1.0}]
     flags = recommend(rows, {"device": "cpu", "spec_num_steps": 5})["recommended_flags"]
     assert flags["--spec-mode"] == "auto" and flags["--spec-disable-batch-threshold"] == "4"
+    # The measured threshold decides, not auto's online measurement.
+    assert flags["--no-spec-auto-measure"] == ""
     assert flags["--spec-topk"] == "1"
     assert flags["--spec-num-draft-tokens"] == flags["--spec-num-steps"]
 
@@ -72,6 +74,13 @@ def test_env_args_replace_both_flag_spellings_and_keep_other_lines() -> None:
     assert lines[:2] == ENV.splitlines()[:2]
     assert lines[2] == ("SPECD_ARGS=--device cuda --log-format json --spec-num-steps 6 "
                         "--spec-topk 1")
+
+
+def test_env_args_write_a_switch_bare_and_drop_either_spelling() -> None:
+    text = ("SPECD_ARGS=--spec-auto-measure --spec-topk 2 --no-spec-auto-measure "
+            "--device cpu\n")
+    line = update_env_args(text, {"--no-spec-auto-measure": "", "--spec-topk": "1"})
+    assert line == "SPECD_ARGS=--device cpu --no-spec-auto-measure --spec-topk 1\n"
 
 
 def test_env_args_line_added_when_missing(tmp_path: Path) -> None:
