@@ -44,28 +44,6 @@ def test_auto_turns_off_above_threshold_and_on_only_at_the_resume_mark():
     assert ctrl.num_steps_on == sum(states)
 
 
-def test_a_batch_that_empties_and_refills_at_once_does_not_resume_speculation():
-    # Requests ending in the same step and their successors arriving: the batch reads 0
-    # for a step, the load (recorded steps' average) stays high, speculation stays off;
-    # a real drop resumes it once the load has come down too.
-    ctrl = SpecController("auto", threshold=20)
-
-    def steps(sizes: list[int]) -> list[bool]:
-        states = []
-        for size in sizes:
-            ctrl.update(size)
-            states.append(ctrl.enabled)
-            if size:
-                ctrl.record(size, states[-1], 0.01, size)
-        return states
-
-    assert steps([32] * 20)[-1] is False
-    assert steps([0, 32, 32]) == [False, False, False]
-    later = steps([2] * 30)
-    assert later[0] is False and later[-1] is True
-    assert ctrl.load <= ctrl.resume_at
-
-
 def test_hovering_at_the_threshold_does_not_flap():
     ctrl = SpecController("auto", threshold=16)
     _, events = run(ctrl, [17, 16, 17, 15, 16, 17, 14, 13])

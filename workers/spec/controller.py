@@ -3,9 +3,7 @@
 Modes: "on" always speculates, "off" never, "auto" decides per step from the running batch
 size with hysteresis: speculation turns off when the batch grows above `threshold` and turns
 on again only when it has shrunk to `resume_at` or below (default: three quarters of the
-threshold), so a batch hovering around the threshold does not flap, and so has the load
-(the batch size averaged over recent recorded steps, below), so a batch that empties and
-refills at once does not turn it on for a step or two.
+threshold), so a batch hovering around the threshold does not flap.
 
 With `measure=True` (the engine's default) "auto" also learns what each mode yields on
 this machine and this workload: the engine reports every step (`record`: batch size, the
@@ -200,11 +198,7 @@ class SpecController:
             if event is None and not self._measured(batch_size) and not self.exploring:
                 if self.enabled and batch_size > self.threshold:
                     event = self._switch(False, "batch_above_threshold")
-                elif (not self.enabled and batch_size <= self.resume_at
-                      and self._load_or(batch_size) <= self.resume_at):
-                    # The load too: a batch that empties and refills within a few steps
-                    # (requests ending together, their successors arriving) is no reason
-                    # to start drafting for the newcomers' prompts and stop again.
+                elif not self.enabled and batch_size <= self.resume_at:
                     event = self._switch(True, "batch_at_or_below_resume_mark")
         if event is None:
             self.steps_in_state += 1

@@ -45,7 +45,7 @@ from specd.workers.sequence import SequenceStatus
 from specd.workers.spec.accept import Acceptance, accept_tree
 from specd.workers.spec.draft_graphs import DraftInputs
 from specd.workers.spec.futures import DraftFutures
-from specd.workers.spec.tree import DraftTree, check_parents
+from specd.workers.spec.tree import DraftTree, check_parents, signed64
 
 if TYPE_CHECKING:
     from specd.workers.spec.worker import SpeculativeWorker
@@ -263,7 +263,7 @@ class SpecLauncher:
         device = w.device
         ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
         pos = upload(torch.tensor(positions, dtype=torch.int64), device)
-        mask = upload(torch.tensor([_signed64(m) for m in masks], dtype=torch.int64), device)
+        mask = upload(torch.tensor([signed64(m) for m in masks], dtype=torch.int64), device)
         if lagged:
             t = self.futures.num_nodes
             index = self.futures.index([group[b].lagged_sample_id or 0 for b in lagged], device)
@@ -536,7 +536,3 @@ def _prefix(tables: torch.Tensor, roots: torch.Tensor, width: int, block_size: i
     clamped = torch.minimum(pos, (roots - 1)[:, None])
     return _slots(tables, clamped, block_size), pos < roots[:, None]
 
-
-def _signed64(mask: int) -> int:
-    """A 64-bit pattern as the int64 torch stores (bit 63 is the sign bit)."""
-    return mask - (1 << 64) if mask >= 1 << 63 else mask

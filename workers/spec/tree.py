@@ -200,6 +200,11 @@ def build_tree(cands: Candidates, root_ids: torch.Tensor, num_draft_tokens: int,
 _DROPPED_PARENT = "build_tree: a kept node's parent was dropped (scores not monotone)"
 
 
+def signed64(mask: int) -> int:
+    """A 64-bit tree-mask pattern as the int64 torch stores (bit 63 is the sign bit)."""
+    return mask - (1 << 64) if mask >= 1 << 63 else mask
+
+
 def check_parents(parents: list[list[int]]) -> None:
     """Host-side form of build_tree's check: only node 0 of each row has parent -1."""
     if any(p < 0 for row in parents for p in row[1:]):

@@ -45,7 +45,14 @@ from specd.workers.spec.draft_graphs import DraftGraphs, DraftInputs, prefix_wid
 from specd.workers.spec.draft_model import DraftConfig, DraftHead
 from specd.workers.spec.overlap import SpecLauncher
 from specd.workers.spec.streams import DraftStreams
-from specd.workers.spec.tree import DraftTree, build_tree, check_parents, expand_tree, start_tree
+from specd.workers.spec.tree import (
+    DraftTree,
+    build_tree,
+    check_parents,
+    expand_tree,
+    signed64,
+    start_tree,
+)
 
 
 @dataclass
@@ -222,7 +229,7 @@ class SpeculativeWorker:
             query_lens=[s.num_new_tokens for s in group], seq_lens=[s.end for s in group],
             block_tables=[s.seq.block_ids for s in group], block_size=self.block_size,
             device=self.device,
-            tree_mask=(torch.tensor([_signed64(m) for m in masks], dtype=torch.int64,
+            tree_mask=(torch.tensor([signed64(m) for m in masks], dtype=torch.int64,
                                     device=self.device) if tree_mask else None))
         inputs = StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
@@ -540,7 +547,3 @@ def read_draft_config(path: Path) -> DraftConfig:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from e
     return DraftConfig.from_dict(raw)
 
-
-def _signed64(mask: int) -> int:
-    """A 64-bit pattern as the int64 torch stores (bit 63 is the sign bit)."""
-    return mask - (1 << 64) if mask >= 1 << 63 else mask
