@@ -1,8 +1,9 @@
 """`specctl tune-spec`: where speculation stops paying for the loaded model on this machine.
 
-At each batch size b the daemon serves b concurrent greedy requests (held-out prompts,
-`ignore_eos`, a fixed token count) once with speculation off and once on. From the
-engine's counters before and after each run:
+At each batch size b, b clients send greedy requests (held-out prompts, `ignore_eos`, a
+fixed token count) in a closed loop, once with speculation off and once on, so the batch
+stays at b. From the engine's counters over a window in which every client has had its
+first request answered and two more per client are answered:
 
     step cost       wall / engine steps          (plain decode off; draft + verify on)
     tokens per step generated / (steps * b)      (the acceptance length when on)
@@ -39,19 +40,48 @@ from specd.ipc.sampling import SamplingParams
 
 MAX_STEPS = 8
 NO_MEASURE = "--no-spec-auto-measure"
+WINDOW_REQUESTS = 2  # requests per client answered inside the measured window
 TREE_TOPK = 4  # the tree offered on a GPU: EAGLE-2's usual shape
 TREE_TOKENS_PER_STEP = 2
 
 
 async def _run_batch(client: BenchClient, prompts: list[str], batch_size: int,
                      max_tokens: int) -> dict[str, float]:
+    """`batch_size` clients in a closed loop (each sends its next request when its last
+    one ends), so the batch stays full; the engine's counters are read over a window that
+    opens once every client has had a request answered (the first wave of prefills is
+    over) and closes when WINDOW_REQUESTS more per client have been answered. Measuring a
+    single batch to its end instead would count, with speculation, the tail in which its
+    slowest request runs alone."""
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    before = (await client.stats()).get("engine", {})
-    started = asyncio.get_running_loop().time()
-    await asyncio.gather(*(client.timed_request(prompts[i % len(prompts)], sampling)
-                           for i in range(batch_size)))
-    wall = asyncio.get_running_loop().time() - started
-    after = (await client.stats()).get("engine", {})
+    loop = asyncio.get_running_loop()
+    done_per_client = [0] * batch_size
+    opened, closed = asyncio.Event(), asyncio.Event()
+    target = batch_size * (1 + WINDOW_REQUESTS)
+
+    async def client_loop(i: int) -> None:
+        n = 0
+        while not closed.is_set():
+            await client.timed_request(prompts[(i + n * batch_size) % len(prompts)], sampling)
+            n += 1
+            done_per_client[i] = n
+            if min(done_per_client) >= 1:
+                opened.set()
+            if sum(done_per_client) >= target:
+                closed.set()
+
+    tasks = [asyncio.create_task(client_loop(i)) for i in range(batch_size)]
+    try:
+        await _until(opened, tasks)
+        before = (await client.stats()).get("engine", {})
+        started = loop.time()
+        await _until(closed, tasks)
+        after = (await client.stats()).get("engine", {})
+        wall = loop.time() - started
+        await asyncio.gather(*tasks)  # the requests still running end outside the window
+    finally:
+        for task in tasks:
+            task.cancel()
 
     def delta(key: str) -> float:
         return float(after.get(key, 0)) - float(before.get(key, 0))
@@ -65,6 +95,20 @@ async def _run_batch(client: BenchClient, prompts: list[str], batch_size: int,
         run["draft_ms"] = 1e3 * (delta("draft_s") + delta("catch_up_s")) / steps
         run["verify_ms"] = 1e3 * delta("verify_s") / steps
     return run
+
+
+async def _until(event: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
+    """Wait for `event`; a task that failed meanwhile raises its error here (the event
+    would never come)."""
+    waiter = asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    for task in tasks:
+        error = task.exception() if task.done() and not task.cancelled() else None
+        if error is not None:
+            raise error
 
 
 async def measure(socket_path: Path | None, batch_sizes: tuple[int, ...], max_tokens: int,
