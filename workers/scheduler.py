@@ -210,11 +210,7 @@ class Scheduler:
             return self._schedule_lagged(seq, num_new)
         start = seq.num_computed_tokens
         needs_sample = start + num_new >= seq.num_tokens + seq.num_placeholders
-        sample_id = None
-        if needs_sample:
-            sample_id = self.num_samples
-            self.num_samples += 1
-            seq.pending_sample_ids.append(sample_id)
+        sample_id = self._new_sample(seq) if needs_sample else None
         seq.num_computed_tokens += num_new
         return ScheduledSequence(seq, num_new, start=start, needs_sample=needs_sample,
                                  sample_id=sample_id, num_drafts=len(seq.spec_token_ids))
@@ -228,22 +224,32 @@ class Scheduler:
         every draft as accepted until `update` takes the rejected back), so advancing it
         by `num_new` makes `append_slots` cover the latest position this step can write.
         """
-        sample_id = self.num_samples
-        self.num_samples += 1
-        start = seq.num_tokens + seq.num_placeholders - 1
+        start = self._lagged_start(seq)
         max_shift = seq.num_computed_tokens - start  # the drafts the step in flight verifies
-        seq.pending_sample_ids.append(sample_id)
+        sample_id = self._new_sample(seq)
         seq.num_computed_tokens += num_new
         return ScheduledSequence(seq, num_new, start=start, needs_sample=True,
                                  sample_id=sample_id, num_drafts=num_new - 1,
                                  lagged_sample_id=seq.lagged_sample_id, max_shift=max_shift)
 
+    def _new_sample(self, seq: Sequence) -> int:
+        """A new sample id, pending for `seq` until `update` takes its result."""
+        sample_id = self.num_samples
+        self.num_samples += 1
+        seq.pending_sample_ids.append(sample_id)
+        return sample_id
+
+    @staticmethod
+    def _lagged_start(seq: Sequence) -> int:
+        """The lower bound of a lagged verify's start: every draft in flight rejected."""
+        return seq.num_tokens + seq.num_placeholders - 1
+
     def _lag_fits(self, seq: Sequence, budget: int) -> bool:
         """Whether a lagged verify fits the budget and, at its latest start (every draft
-        in flight accepted; at most as many as this verify's), max_model_len."""
-        k = seq.num_lagged_drafts
-        latest_end = seq.num_tokens + seq.num_placeholders - 1 + 2 * k + 1
-        return budget >= k + 1 and latest_end <= self.max_model_len
+        in flight accepted: `num_computed_tokens` counts them so), max_model_len."""
+        num_new = seq.num_lagged_drafts + 1
+        return (budget >= num_new
+                and seq.num_computed_tokens + num_new <= self.max_model_len)
 
     def _awaits_its_last_sample(self, seq: Sequence) -> bool:
         """Pending samples already reach max_tokens or max_model_len: nothing more to run."""

@@ -263,7 +263,8 @@ class SpecLauncher:
         device = w.device
         ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
         pos = upload(torch.tensor(positions, dtype=torch.int64), device)
-        mask = upload(torch.tensor([signed64(m) for m in masks], dtype=torch.int64), device)
+        mask = (upload(torch.tensor([signed64(m) for m in masks], dtype=torch.int64), device)
+                if with_tree_mask else None)
         if lagged:
             t = self.futures.num_nodes
             index = self.futures.index([group[b].lagged_sample_id or 0 for b in lagged], device)
@@ -274,12 +275,13 @@ class SpecLauncher:
             roots = starts + shift[_ids(lagged, device)]
             ids[rows] = tree.token_ids.reshape(-1)
             pos[rows] = (roots[:, None] + tree.depths).reshape(-1)
-            mask[rows] = tree.tree_mask.reshape(-1)
+            if mask is not None:
+                mask[rows] = tree.tree_mask.reshape(-1)
             self.num_lagged_verifies += len(lagged)
         meta = build_attention_metadata(
             query_lens=[s.num_new_tokens for s in group], seq_lens=[s.end for s in group],
             block_tables=[s.seq.block_ids for s in group], block_size=w.block_size,
-            device=device, tree_mask=mask if with_tree_mask else None,
+            device=device, tree_mask=mask,
             shift=shift if lagged else None,
             max_shift=[s.max_shift for s in group] if lagged else None)
         inputs = StepInputs(input_ids=ids, positions=pos, meta=meta,
@@ -401,12 +403,8 @@ class SpecLauncher:
     def _drafts_after_prefill(self, s: ScheduledSequence) -> bool:
         """A plain item whose step samples and whose aux rows now reach its end: it is
         drafted for here, as `propose` would after the step."""
-        w = self.worker
-        state = w.states.get(s.seq.request_id)
-        return (s.needs_sample and s.seq.sampling.speculative and state is not None
-                and s.seq.status is SequenceStatus.RUNNING
-                and state.num_pending > 0
-                and state.num_draft_computed + state.num_pending == s.end)
+        return (s.needs_sample and s.seq.status is SequenceStatus.RUNNING
+                and self.worker.aux_reaches(s.seq, s.end))
 
     def _draft(self, pending: PendingSpec, verify: list[int], plain: list[int],
                items: list[ScheduledSequence],

@@ -355,11 +355,9 @@ class SpeculativeWorker:
         the scheduler's `update`), when the controller says speculation is on."""
         if not self.controller.enabled:
             return
-        todo = [s for s in seqs if not s.is_finished and s.sampling.speculative
-                and s.num_computed_tokens == s.num_tokens - 1 and s.request_id in self.states
-                and self.states[s.request_id].num_draft_computed
-                + self.states[s.request_id].num_pending == s.num_computed_tokens
-                and self.states[s.request_id].num_pending > 0]
+        todo = [s for s in seqs if not s.is_finished
+                and s.num_computed_tokens == s.num_tokens - 1
+                and self.aux_reaches(s, s.num_computed_tokens)]
         if not todo:
             return
         t0 = time.perf_counter()
@@ -380,6 +378,13 @@ class SpeculativeWorker:
             state.tree_parents, state.tree_depths = parents[b], depths[b]
             state.tree_masks = masks[b]
             seq.spec_token_ids = drafts[b]
+
+    def aux_reaches(self, seq: Seq, end: int) -> bool:
+        """Whether `seq` may speculate and its kept aux rows (some not caught up yet) cover
+        exactly positions [0, end): then it can be drafted for from position `end`."""
+        state = self.states.get(seq.request_id)
+        return (seq.sampling.speculative and state is not None and state.num_pending > 0
+                and state.num_draft_computed + state.num_pending == end)
 
     def _catch_up(self, seqs: list[Seq]) -> torch.Tensor:
         """Write the draft K/V of every pending pair (one paged draft forward); returns the
