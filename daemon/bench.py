@@ -27,6 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specd.daemon.bench_paired import (
+    BaselinePrompt,
+    Batch1Pairs,
+    PairedConfig,
+    PairedRun,
+    round_order,
+    run_batch1_pairs,
+    run_paired,
+)
 from specd.daemon.bench_progress import Progress
 from specd.ipc import messages as m
 from specd.ipc.client import AsyncClient, ProtocolError, SpecdError, make_generate
@@ -59,7 +68,13 @@ class BenchConfig:
     max_duration_s: stop sending new requests at a point after this long (None: no limit).
     rounds: each concurrency is measured this many times per mode, the modes interleaved
         and their order rotated from round to round (a machine that drifts by tens of
-        percent within minutes then biases no mode); targets read the medians.
+        percent within minutes then biases no mode).
+    paired: after the rounds of each concurrency, the modes' paired windows on one running
+        load (bench_paired; None: not run). The auto target reads them where they ran,
+        else the rounds' medians.
+    batch1_pairs: with a baseline, this many prompts run alternately through specd (spec
+        on, batch 1) and the baseline (bench_paired.run_batch1_pairs; 0: not run). The
+        batch-1 target reads them where they ran, else the medians of the rounds.
     """
 
     modes: tuple[str, ...] = MODES
@@ -71,6 +86,8 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     rounds: int = 1
+    paired: PairedConfig | None = None
+    batch1_pairs: int = 0
 
     def __post_init__(self) -> None:
         if not self.modes or any(mode not in MODES for mode in self.modes):
@@ -85,6 +102,8 @@ class BenchConfig:
             raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.batch1_pairs < 0:
+            raise ValueError(f"batch1_pairs must be >= 0, got {self.batch1_pairs}")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2 (TPOT needs two tokens), "
                              f"got {self.max_tokens}")
@@ -125,7 +144,11 @@ class BenchClient(AsyncClient):
     """The asyncio client plus what a benchmark needs: a stream that keeps the Final frame
     and the arrival time of every delta, and the speculation switch."""
 
-    async def timed_request(self, prompt: str, sampling: SamplingParams) -> RequestRecord:
+    async def timed_request(self, prompt: str, sampling: SamplingParams,
+                            on_tokens: Callable[[float, int], None] | None = None
+                            ) -> RequestRecord:
+        """Stream one request to its end; `on_tokens(time, count)` is called for every
+        frame that carries tokens, as it arrives."""
         request = make_generate(next(self._ids), prompt, None, None, sampling, True, None, {})
         started = time.perf_counter()
         inbox = await self._send(request)
@@ -136,6 +159,8 @@ class BenchClient(AsyncClient):
                 now = time.perf_counter()
                 if isinstance(reply, m.Delta | m.Final) and reply.token_ids:
                     arrivals.append((now, len(reply.token_ids)))
+                    if on_tokens is not None:
+                        on_tokens(now, len(reply.token_ids))
                 if isinstance(reply, m.Final):
                     return _record(started, now, arrivals, reply)
         finally:
@@ -283,14 +308,6 @@ async def _sample_engine(client: BenchClient, samples: list[EngineSample],
                 await stop.wait()
 
 
-def round_order(modes: list[str], round_index: int) -> list[str]:
-    """The modes in the order round `round_index` (1-based) runs them: rotated by one per
-    round, so that over len(modes) rounds each mode runs once in each position (first
-    after a concurrency change, right after each other mode)."""
-    shift = (round_index - 1) % len(modes)
-    return modes[shift:] + modes[:shift]
-
-
 @dataclass(frozen=True)
 class SweepRun:
     """Every point of every mode that could run; `skipped` says why a mode did not."""
@@ -298,18 +315,24 @@ class SweepRun:
     daemon: dict[str, Any]  # model, resolved settings, engine config (from status)
     points: tuple[PointRun, ...]
     skipped: dict[str, str]
+    paired: tuple[PairedRun, ...] = ()
+    batch1_pairs: Batch1Pairs | None = None
 
 
 RoundHook = Callable[[dict[str, Any], int, int], Awaitable[None]]
+BaselineFactory = Callable[[dict[str, Any]], BaselinePrompt]
 
 
 async def run_sweep(socket_path: Path | None, config: BenchConfig,
-                    after_round: RoundHook | None = None) -> SweepRun:
+                    after_round: RoundHook | None = None,
+                    baseline_prompt: BaselineFactory | None = None) -> SweepRun:
     """The whole sweep against the daemon at `socket_path`; the daemon's speculation mode
     is restored afterwards. A mode the daemon cannot serve (no draft model) is skipped with
     its reason rather than measured as something else. `after_round(daemon, concurrency,
     round)` runs after each round of each concurrency, while the daemon is idle (the
-    transformers baseline interleaves its rounds with batch 1's there)."""
+    transformers baseline interleaves its rounds with batch 1's there).
+    `baseline_prompt(daemon)` gives the function that runs the baseline on one prompt,
+    for `config.batch1_pairs` (run after batch 1's rounds, when `on` is among the modes)."""
     async with BenchClient(socket_path, timeout=config.timeout_s) as client:
         status = await client.status()
         if status.state != "ready":
@@ -319,17 +342,26 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
         daemon = {"model": status.model, "version": status.version,
                   "resolved": status.resolved, "engine_config": status.config.get("engine", {}),
                   "initial_spec_mode": initial_mode}
-        prompts = load_prompts(max(config.requests_at(c) for c in config.concurrencies))
+        # Prompt i is the same text for every use of it (the baseline's pairs included).
+        prompts = load_prompts(max(config.batch1_pairs,
+                                   *(config.requests_at(c) for c in config.concurrencies)))
         runnable = [mode for mode in config.modes if speculative or mode == "off"]
         skipped = {mode: "the daemon serves without speculation (resolved.speculative is "
                          "false: no draft model, or speculation not built in)"
                    for mode in config.modes if mode not in runnable}
-        num_points = len(config.concurrencies) * len(runnable) * config.rounds
+        paired_modes = runnable if len(runnable) > 1 and config.paired is not None else []
+        do_pairs = (config.batch1_pairs > 0 and baseline_prompt is not None
+                    and "on" in runnable and 1 in config.concurrencies)
+        num_points = (len(config.concurrencies) * (len(runnable) * config.rounds
+                                                   + (1 if paired_modes else 0))
+                      + (1 if do_pairs else 0))
         # With --max-duration a point ends on time, so its request count is not known.
         progress = Progress(num_points, None if config.max_duration_s is not None else
                             sum(config.requests_at(c) for c in config.concurrencies)
                             * len(runnable) * config.rounds)
         points = []
+        paired: list[PairedRun] = []
+        pairs: Batch1Pairs | None = None
         try:
             # modes interleaved at each concurrency: the figures compared with each other
             # are taken minutes apart at most, not a whole sweep apart
@@ -348,8 +380,18 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
                                                       concurrency, progress, round_index))
                     if after_round is not None:
                         await after_round(daemon, concurrency, round_index)
+                if paired_modes and config.paired is not None:
+                    progress.begin(f"paired windows c={concurrency}")
+                    paired.append(await run_paired(client, prompts, config.sampling,
+                                                   paired_modes, concurrency, config.paired,
+                                                   progress))
+                if concurrency == 1 and do_pairs and baseline_prompt is not None:
+                    progress.begin(f"batch 1 vs baseline, {config.batch1_pairs} pairs")
+                    pairs = await run_batch1_pairs(client, prompts, config.sampling,
+                                                   config.batch1_pairs,
+                                                   baseline_prompt(daemon), progress)
         finally:
             progress.close()
             if speculative:
                 await client.set_spec(initial_mode)
-    return SweepRun(daemon, tuple(points), skipped)
+    return SweepRun(daemon, tuple(points), skipped, tuple(paired), pairs)

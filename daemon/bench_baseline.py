@@ -34,10 +34,12 @@ class Baseline:
     be interleaved with the daemon's (a drifting machine then biases neither side).
 
     Greedy `generate()` of exactly `max_new_tokens` tokens per prompt, one prompt at a time
-    (after one untimed warm-up), in `dtype` (the daemon's)."""
+    (after one untimed warm-up), in `dtype` (the daemon's). A round runs the first
+    `round_prompts` prompts (default: all); `run_prompt` runs any one of them."""
 
     def __init__(self, model_dir: Path, prompts: list[str], max_new_tokens: int,
-                 num_threads: int | None = None, dtype: str = "float32") -> None:
+                 num_threads: int | None = None, dtype: str = "float32",
+                 round_prompts: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -51,6 +53,10 @@ class Baseline:
                                                           dtype=getattr(torch, dtype))
         self.model.eval()
         self.ids = [torch.tensor([tokenizer.encode(p)]) for p in prompts]
+        self.round_prompts = len(self.ids) if round_prompts is None else round_prompts
+        if not 1 <= self.round_prompts <= len(self.ids):
+            raise ValueError(f"round_prompts must be in [1, {len(self.ids)}], got "
+                             f"{round_prompts}")
         self.rounds: list[tuple[int, float]] = []  # (tokens, seconds) per round
         self._warm = False
 
@@ -63,19 +69,33 @@ class Baseline:
                                   pad_token_id=0)
         return int(out.shape[1] - input_ids.shape[1])
 
+    def _warm_up(self) -> None:
+        if not self._warm:
+            self._generate(self.ids[0][:, :8])
+            self._warm = True
+
     def run_round(self) -> float:
-        """Time every prompt once; returns this round's tokens/s."""
+        """Time each of the round's prompts once; returns this round's tokens/s."""
         import torch
 
         with torch.inference_mode():
-            if not self._warm:
-                self._generate(self.ids[0][:, :8])
-                self._warm = True
+            self._warm_up()
             started = time.perf_counter()
-            num_tokens = sum(self._generate(x) for x in self.ids)
+            num_tokens = sum(self._generate(x) for x in self.ids[: self.round_prompts])
             wall = time.perf_counter() - started
         self.rounds.append((num_tokens, wall))
         return num_tokens / wall
+
+    def run_prompt(self, index: int) -> tuple[int, float]:
+        """(tokens, seconds) of one timed generation of prompt `index` (IndexError past
+        the prompts given)."""
+        import torch
+
+        with torch.inference_mode():
+            self._warm_up()
+            started = time.perf_counter()
+            num_tokens = self._generate(self.ids[index])
+            return num_tokens, time.perf_counter() - started
 
     def result(self) -> dict[str, Any]:
         """The report's baseline: tokens_per_s is the median of the rounds' figures."""
@@ -85,7 +105,7 @@ class Baseline:
             raise RuntimeError("the baseline has not run a round")
         by_round = [n / wall for n, wall in self.rounds]
         return {"library": "transformers", "model": str(self.model_dir), "batch_size": 1,
-                "num_prompts": len(self.ids), "max_new_tokens": self.max_new_tokens,
+                "num_prompts": self.round_prompts, "max_new_tokens": self.max_new_tokens,
                 "num_output_tokens": self.rounds[-1][0],
                 "wall_s": statistics.median(wall for _, wall in self.rounds),
                 "tokens_per_s": statistics.median(by_round),

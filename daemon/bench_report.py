@@ -143,44 +143,69 @@ def medians(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (order.index(r["mode"]), r["concurrency"]))
 
 
-def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None
-                  ) -> dict[str, Any]:
+def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
+                  paired: list[dict[str, Any]] | None = None,
+                  batch1_pairs: dict[str, Any] | None = None) -> dict[str, Any]:
     """auto vs the better of on/off at each concurrency, and batch-1 spec-on vs the
-    transformers baseline, each on the medians over rounds (`medians`); a target that
-    cannot be judged (a mode missing) is None. Each also carries its ratio per round
-    (`by_round`): auto over the better of on and off measured in the same round; spec on
-    at batch 1 over the baseline round that ran right after it."""
+    transformers baseline.
+
+    Each target reads its paired measurement where one ran (bench_paired: auto from the
+    modes' windows on one running load, `source` "paired windows", spread `by_cycle`; batch
+    1 from prompts run alternately through both, "pairs", spread `by_pair`), since those
+    compare figures taken seconds apart; else the medians over rounds ("rounds' medians").
+    The rounds' figures are kept either way (`*_rounds`, `by_round`: auto over the better
+    of on and off in the same round; spec on at batch 1 over the baseline round that ran
+    right after it). A target that cannot be judged (a mode missing, a paired run with
+    failed requests and no rounds) is left out (auto) or None (batch 1)."""
     by_key = {key: statistics.median(p["output_tokens_per_s"] for p in group)
               for key, group in _by_point(points).items()}
     by_round = {(p["mode"], p["concurrency"], p.get("round", 1)): p["output_tokens_per_s"]
                 for p in points}
+    windows = {row["concurrency"]: row for row in paired or []
+               if row.get("auto_over_best") is not None and not row["errors"]}
     auto_rows = []
-    for concurrency in sorted({p["concurrency"] for p in points}):
+    for concurrency in sorted({p["concurrency"] for p in points} | set(windows)):
         auto = by_key.get(("auto", concurrency))
         others = [by_key[(mode, concurrency)] for mode in ("on", "off")
                   if (mode, concurrency) in by_key]
-        if auto is None or len(others) < 2:
-            continue
-        ratio = auto / max(others)
+        from_rounds = auto / max(others) if auto is not None and len(others) == 2 else None
         round_ratios = []
         for r in sorted({k[2] for k in by_round if k[:2] == ("auto", concurrency)}):
             same = [by_round.get((mode, concurrency, r)) for mode in ("on", "off")]
             if all(x is not None for x in same):
                 round_ratios.append(by_round[("auto", concurrency, r)]
                                     / max(x for x in same if x is not None))
-        auto_rows.append({"concurrency": concurrency, "auto_over_best": ratio,
-                          "met": ratio >= AUTO_TARGET, "by_round": round_ratios})
+        row: dict[str, Any] = {"concurrency": concurrency, "auto_over_best_rounds": from_rounds,
+                               "by_round": round_ratios}
+        if concurrency in windows:
+            row |= {"auto_over_best": windows[concurrency]["auto_over_best"],
+                    "source": "paired windows",
+                    "by_cycle": windows[concurrency]["auto_over_best_by_cycle"]}
+        elif from_rounds is not None:
+            row |= {"auto_over_best": from_rounds, "source": "rounds' medians"}
+        else:
+            continue
+        row["met"] = row["auto_over_best"] >= AUTO_TARGET
+        auto_rows.append(row)
     specd_b1 = by_key.get(("on", 1))
     versus: dict[str, Any] = {"specd_mode": "on", "specd_tokens_per_s": specd_b1,
-                              "baseline_tokens_per_s": None, "ratio": None, "met": None}
+                              "baseline_tokens_per_s": None, "ratio": None, "met": None,
+                              "ratio_rounds": None}
     if baseline is not None and specd_b1 is not None:
-        ratio = specd_b1 / baseline["tokens_per_s"]
         # Round r of the baseline ran right after round r of batch 1 (see ctl_bench).
         on_rounds = [p["output_tokens_per_s"] for p in _by_point(points).get(("on", 1), [])]
         base_rounds = baseline.get("tokens_per_s_by_round") or []
+        ratio = specd_b1 / baseline["tokens_per_s"]
         versus |= {"baseline_tokens_per_s": baseline["tokens_per_s"], "ratio": ratio,
-                   "met": ratio >= BASELINE_TARGET,
+                   "ratio_rounds": ratio, "source": "rounds' medians",
                    "by_round": [a / b for a, b in zip(on_rounds, base_rounds, strict=False)]}
+    if batch1_pairs is not None:
+        versus |= {"specd_tokens_per_s": batch1_pairs["specd_tokens_per_s"],
+                   "baseline_tokens_per_s": batch1_pairs["baseline_tokens_per_s"],
+                   "ratio": batch1_pairs["ratio"], "source": "pairs",
+                   "by_pair": batch1_pairs["ratio_by_pair"]}
+    if versus["ratio"] is not None:
+        versus["met"] = versus["ratio"] >= BASELINE_TARGET
     return {
         "auto_target": AUTO_TARGET,
         "auto_vs_best": auto_rows,
@@ -202,12 +227,45 @@ def _several_rounds(report: dict[str, Any]) -> bool:
 
 
 def _by_round(row: dict[str, Any], rounds: bool, unit: str = "") -> str:
-    """"; by round 0.98, 1.02, ..." for a target row with per-round ratios, when the report
-    has several rounds; else ""."""
+    """The spread of a target row: "; by cycle 0.98, 1.02, ..." (paired windows), "; by
+    pair ..." (batch-1 pairs), "; rounds' medians 0.95, by round ..." (the rounds, when the
+    report has several); "" when there is none to show."""
+    parts = []
+    for key, name in (("by_cycle", "by cycle"), ("by_pair", "by pair")):
+        if row.get(key):
+            parts.append(f"{name} " + ", ".join(f"{x:.2f}{unit}" for x in row[key]))
     ratios = row.get("by_round") or []
-    if not (rounds and ratios):
-        return ""
-    return "; by round " + ", ".join(f"{x:.2f}{unit}" for x in ratios)
+    if rounds and ratios:
+        from_rounds = row.get("auto_over_best_rounds", row.get("ratio_rounds"))
+        if row.get("source") != "rounds' medians" and from_rounds is not None:
+            parts.append(f"rounds' medians {from_rounds:.2f}{unit}")
+        parts.append("by round " + ", ".join(f"{x:.2f}{unit}" for x in ratios))
+    return "".join(f"; {part}" for part in parts)
+
+
+def _paired_lines(report: dict[str, Any]) -> list[str]:
+    """One line per concurrency of the paired windows (each mode's pooled tokens/s and,
+    for auto, the share of its tokens that speculative steps made), then the batch-1
+    pairs."""
+    lines = []
+    for row in report.get("paired") or []:
+        figures = []
+        for mode in ("off", "on", "auto"):
+            if mode in row["modes"]:
+                fig = row["modes"][mode]
+                shares = [x for x in fig["spec_share_by_cycle"] if x is not None]
+                share = (f" (spec {sum(shares) / len(shares):.2f})"
+                         if mode == "auto" and shares else "")
+                figures.append(f"{mode} {fig['tokens_per_s']:.1f}{share}")
+        errors = f"; errors {row['errors']}" if row["errors"] else ""
+        lines.append(f"c={row['concurrency']}: " + ", ".join(figures)
+                     + f" tok/s over {len(row['windows'])} windows{errors}")
+    pairs = report.get("batch1_pairs")
+    if pairs is not None:
+        lines.append(f"batch 1, {pairs['num_pairs']} prompts alternately: specd spec on "
+                     f"{pairs['specd_tokens_per_s']:.1f} tok/s, transformers "
+                     f"{pairs['baseline_tokens_per_s']:.1f} tok/s ({pairs['ratio']:.2f}x)")
+    return lines
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -239,6 +297,10 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{row['output_tokens_per_s']:>8.1f} tok/s  tpot p50 "
                          f"{row['tpot_p50_ms']:.2f} ms  spec {row['spec_share']:.2f}  "
                          f"({row['rounds']} rounds)")
+    paired = _paired_lines(report)
+    if paired:
+        lines.append("paired (modes switched on one running load, pooled over cycles):")
+        lines += [f"  {line}" for line in paired]
     for mode, reason in report["skipped_modes"].items():
         lines.append(f"mode {mode} skipped: {reason}")
     baseline = report.get("baseline")
@@ -251,12 +313,14 @@ def format_table(report: dict[str, Any]) -> str:
     for row in targets["auto_vs_best"]:
         lines.append(f"auto / best(on, off) at c={row['concurrency']}: "
                      f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'NOT met'}, "
-                     f"target {targets['auto_target']})" + _by_round(row, rounds))
+                     f"target {targets['auto_target']}, {row['source']})"
+                     + _by_round(row, rounds))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
         lines.append(f"specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
                      f"({'met' if versus['met'] else 'NOT met'}, target "
-                     f"{targets['baseline_target']}x)" + _by_round(versus, rounds, "x"))
+                     f"{targets['baseline_target']}x, {versus['source']})"
+                     + _by_round(versus, rounds, "x"))
     return "\n".join(lines)
 
 
@@ -344,6 +408,10 @@ def format_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row['mode']} | {row['concurrency']} | "
                          f"{row['output_tokens_per_s']:.1f} | {row['tpot_p50_ms']:.1f} | "
                          f"{row['spec_share']:.2f} | {figures} |")
+    paired = _paired_lines(report)
+    if paired:
+        lines += ["", "Paired (modes switched on one running load, pooled over cycles):", ""]
+        lines += [f"- {line}" for line in paired]
     baseline = report.get("baseline")
     if baseline is not None:
         lines += ["", f"transformers `generate()` at batch 1: {baseline['tokens_per_s']:.1f} "
@@ -352,11 +420,12 @@ def format_markdown(report: dict[str, Any]) -> str:
     targets = report["targets"]
     for row in targets["auto_vs_best"]:
         lines.append(f"- auto / best(on, off) at concurrency {row['concurrency']}: "
-                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'})"
-                     + _by_round(row, rounds))
+                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'}, "
+                     f"{row['source']})" + _by_round(row, rounds))
     versus = targets["batch1_vs_transformers"]
     if versus["ratio"] is not None:
         lines.append(f"- specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
                      f"({'met' if versus['met'] else 'not met'}; target "
-                     f"{targets['baseline_target']}x)" + _by_round(versus, rounds, "x"))
+                     f"{targets['baseline_target']}x, {versus['source']})"
+                     + _by_round(versus, rounds, "x"))
     return "\n".join(lines) + "\n"

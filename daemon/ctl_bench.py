@@ -79,6 +79,15 @@ def machine_info() -> dict[str, Any]:
 @click.option("--rounds", type=int, default=1, show_default=True,
               help="measure each point this many times per mode (modes interleaved, order "
               "rotated per round); the targets and plots use each mode's median")
+@click.option("--paired-cycles", type=int, default=4, show_default=True,
+              help="after each concurrency's rounds, switch the modes on one running load "
+              "this many times each and count each mode's windows (0: skip); the auto "
+              "target reads these paired figures")
+@click.option("--paired-window", type=float, default=3.0, show_default=True,
+              help="seconds counted per paired window (0.5 s more settle after each switch)")
+@click.option("--batch1-pairs", type=int, default=16, show_default=True,
+              help="prompts run alternately through specd (spec on, batch 1) and the "
+              "transformers baseline (0: skip); the batch-1 target reads these pairs")
 @click.option("--out-dir", type=click.Path(path_type=Path), default=Path("bench_out/serving"),
               show_default=True, help="where bench_serving.json, bench_serving.md (the table in "
               "Markdown) and the PNG plots go")
@@ -91,20 +100,31 @@ def machine_info() -> dict[str, Any]:
 @click.pass_context
 def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: float | None,
           num_requests: int | None, max_duration: float | None, max_tokens: int,
-          rounds: int, out_dir: Path, plots: bool, baseline: bool, baseline_prompts: int,
+          rounds: int, paired_cycles: int, paired_window: float, batch1_pairs: int,
+          out_dir: Path, plots: bool, baseline: bool, baseline_prompts: int,
           baseline_model: Path | None) -> None:
     """Serving benchmark against the running daemon: a concurrency sweep per speculation
     mode; prints a table, writes JSON and PNG plots."""
     from specd.daemon import bench_report
     from specd.daemon.bench import BenchConfig, load_prompts, run_sweep
     from specd.daemon.bench_baseline import Baseline  # torch and transformers load lazily
+    from specd.daemon.bench_paired import (
+        PairedConfig,
+        summarize_batch1_pairs,
+        summarize_paired,
+    )
 
     try:
+        if paired_cycles < 0:
+            raise ValueError(f"--paired-cycles must be >= 0, got {paired_cycles}")
+        paired = (PairedConfig(cycles=paired_cycles, window_s=paired_window)
+                  if paired_cycles else None)
         config = BenchConfig(modes=tuple(x.strip() for x in modes.split(",") if x.strip()),
                              concurrencies=_int_list(concurrency_text),
                              request_rate=request_rate, num_requests=num_requests,
                              max_duration_s=max_duration, max_tokens=max_tokens,
-                             rounds=rounds, timeout_s=max(_timeout(ctx), 600.0))
+                             rounds=rounds, timeout_s=max(_timeout(ctx), 600.0),
+                             paired=paired, batch1_pairs=batch1_pairs if baseline else 0)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     # Libraries used after the sweep are checked before it: a missing one must not cost a run.
@@ -125,7 +145,8 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
             click.echo(f"bench: transformers baseline on {model}", err=True)
             # The daemon's dtype, so that both sides run the same arithmetic.
             dtype = str(daemon.get("resolved", {}).get("dtype", "float32"))
-            runner = Baseline(model, load_prompts(baseline_prompts), max_tokens, dtype=dtype)
+            runner = Baseline(model, load_prompts(max(baseline_prompts, batch1_pairs)),
+                              max_tokens, dtype=dtype, round_prompts=baseline_prompts)
         return runner
 
     async def baseline_round(daemon: dict[str, Any], concurrency: int, round_index: int
@@ -138,8 +159,12 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
                        err=True)
 
     sweep = run_client_call(lambda: asyncio.run(run_sweep(
-        _socket(ctx), config, baseline_round if baseline else None)))
+        _socket(ctx), config, baseline_round if baseline else None,
+        (lambda daemon: baseline_runner(daemon).run_prompt) if baseline else None)))
     points = [bench_report.summarize(p) for p in sweep.points]
+    paired_rows = [summarize_paired(run) for run in sweep.paired]
+    pairs_row = (summarize_batch1_pairs(sweep.batch1_pairs)
+                 if sweep.batch1_pairs is not None else None)
     baseline_result = None
     if baseline:
         # Without batch 1 in the sweep, the baseline's rounds run now, back to back.
@@ -154,10 +179,14 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
         "config": {"modes": list(config.modes), "concurrencies": list(config.concurrencies),
                    "request_rate": config.request_rate, "max_tokens": config.max_tokens,
                    "num_requests": config.num_requests, "max_duration_s": config.max_duration_s,
-                   "rounds": config.rounds},
+                   "rounds": config.rounds, "paired_cycles": paired_cycles,
+                   "paired_window_s": paired_window, "batch1_pairs": config.batch1_pairs},
         "points": points, "medians": bench_report.medians(points),
+        "paired": paired_rows, "batch1_pairs": pairs_row,
         "skipped_modes": sweep.skipped, "baseline": baseline_result,
-        "targets": bench_report.check_targets(points, baseline_result), "plots": {},
+        "targets": bench_report.check_targets(points, baseline_result, paired_rows,
+                                              pairs_row),
+        "plots": {},
     }
     # The figures are written before the plots, so that a failure while plotting loses
     # no measurement; the JSON is written again with the plots' paths.

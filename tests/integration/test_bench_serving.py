@@ -1,8 +1,9 @@
 """The serving benchmark (`specctl bench`) for a few seconds against the real daemon
 (fixture model unless $SPECD_TEST_MODEL): every field of its JSON present, the figures
 positive and consistent with each other (tokens counted by the daemon = tokens received by
-the client = requests x max_tokens), the transformers baseline in the same report, and the
-PNG plots valid images that read back."""
+the client = requests x max_tokens), the paired windows and batch-1 pairs the targets read,
+the transformers baseline in the same report, and the PNG plots valid images that read
+back."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from specd.daemon.ctl import cli as specctl
 MAX_TOKENS = 12
 NUM_REQUESTS = 3
 CONCURRENCIES = (1, 2)
+PAIRED_CYCLES = 2
+PAIRED_WINDOW_S = 0.5
+BATCH1_PAIRS = 2
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_KEYS = {"benchmark", "date", "command", "machine", "load_average_1m_after", "daemon",
-               "config", "points", "medians", "skipped_modes", "baseline", "targets", "plots"}
+               "config", "points", "medians", "paired", "batch1_pairs", "skipped_modes",
+               "baseline", "targets", "plots"}
 POINT_KEYS = {"mode", "concurrency", "request_rate", "round", "num_requests", "num_errors",
               "errors", "wall_s", "output_tokens_per_s", "requests_per_s", "num_output_tokens",
               "num_received_tokens", "num_prompt_tokens", "ttft_ms", "tpot_ms", "itl_ms",
@@ -52,7 +57,9 @@ def _bench(daemon: Daemon, out_dir: Path, *options: str) -> tuple[dict[str, Any]
 def sweep(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
           ) -> tuple[dict[str, Any], str]:
     return _bench(daemon, tmp_path_factory.mktemp("sweep"), "--modes", "off,on,auto",
-                  "--concurrency", ",".join(map(str, CONCURRENCIES)), "--baseline-prompts", "1")
+                  "--concurrency", ",".join(map(str, CONCURRENCIES)), "--baseline-prompts", "1",
+                  "--paired-cycles", str(PAIRED_CYCLES), "--paired-window",
+                  str(PAIRED_WINDOW_S), "--batch1-pairs", str(BATCH1_PAIRS))
 
 
 def _check_latencies(point: dict[str, Any]) -> None:
@@ -108,14 +115,57 @@ def test_baseline_and_targets(sweep: tuple[dict[str, Any], str]) -> None:
     targets = report["targets"]
     versus = targets["batch1_vs_transformers"]
     if "on" in {p["mode"] for p in report["points"]}:
+        # the target reads the pairs; the rounds' ratio is kept beside it
+        pairs = report["batch1_pairs"]
+        assert versus["source"] == "pairs" and versus["ratio"] == pytest.approx(pairs["ratio"])
         assert versus["ratio"] == pytest.approx(
-            versus["specd_tokens_per_s"] / baseline["tokens_per_s"])
+            versus["specd_tokens_per_s"] / versus["baseline_tokens_per_s"])
+        on_1 = next(p for p in report["points"] if p["mode"] == "on" and p["concurrency"] == 1)
+        assert versus["ratio_rounds"] == pytest.approx(
+            on_1["output_tokens_per_s"] / baseline["tokens_per_s"])
         assert len(targets["auto_vs_best"]) == len(CONCURRENCIES)
+        assert {row["source"] for row in targets["auto_vs_best"]} == {"paired windows"}
     else:
         assert versus["ratio"] is None and targets["auto_met"] is None
+        assert report["paired"] == [] and report["batch1_pairs"] is None
     assert "transformers generate() at batch 1" in table
     for point in report["points"]:
         assert f"{point['output_tokens_per_s']:>8.1f}" in table
+
+
+def test_paired_windows_switch_the_modes_on_one_load(
+        daemon: Daemon, sweep: tuple[dict[str, Any], str]) -> None:
+    report, table = sweep
+    if not report["daemon"]["resolved"]["speculative"]:
+        pytest.skip("the daemon serves without speculation: nothing to pair")
+    rows = report["paired"]
+    assert [row["concurrency"] for row in rows] == list(CONCURRENCIES)
+    for row in rows:
+        assert row["errors"] == {} and row["num_requests"] > 0
+        # every mode has one window per cycle, the modes rotated from cycle to cycle
+        ran = [(w["cycle"], w["mode"]) for w in row["windows"]]
+        assert ran == [(1, "off"), (1, "on"), (1, "auto"), (2, "on"), (2, "auto"), (2, "off")]
+        for mode, figures in row["modes"].items():
+            windows = [w for w in row["windows"] if w["mode"] == mode]
+            assert figures["tokens"] == sum(w["tokens"] for w in windows) > 0
+            assert figures["seconds"] == pytest.approx(sum(w["seconds"] for w in windows))
+            assert all(w["seconds"] >= PAIRED_WINDOW_S for w in windows)
+            assert figures["tokens_per_s"] == pytest.approx(figures["tokens"]
+                                                            / figures["seconds"])
+        # the daemon ran the mode each window says: off never speculated, on did
+        assert all(w["spec_share"] in (0.0, None) for w in row["windows"] if w["mode"] == "off")
+        assert all(w["spec_share"] > 0.5 for w in row["windows"] if w["mode"] == "on")
+        best = max(row["modes"]["on"]["tokens_per_s"], row["modes"]["off"]["tokens_per_s"])
+        assert row["auto_over_best"] == pytest.approx(row["modes"]["auto"]["tokens_per_s"] / best)
+        assert len(row["auto_over_best_by_cycle"]) == PAIRED_CYCLES
+    pairs = report["batch1_pairs"]
+    assert pairs["num_pairs"] == BATCH1_PAIRS and len(pairs["ratio_by_pair"]) == BATCH1_PAIRS
+    assert pairs["specd_tokens_per_s"] > 0 and pairs["baseline_tokens_per_s"] > 0
+    assert "paired (modes switched on one running load" in table
+    assert f"batch 1, {BATCH1_PAIRS} prompts alternately" in table
+    # the mode the daemon had is back after the paired windows switched it
+    with daemon.client() as client:
+        assert client.status().engine["spec_mode"] == report["daemon"]["initial_spec_mode"]
 
 
 def test_plots_are_png_images_that_read_back(sweep: tuple[dict[str, Any], str]) -> None:
@@ -132,7 +182,8 @@ def test_plots_are_png_images_that_read_back(sweep: tuple[dict[str, Any], str]) 
 
 def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
     report, _ = _bench(daemon, tmp_path, "--modes", "off", "--concurrency", "2",
-                       "--request-rate", "50", "--no-baseline", "--no-plots")
+                       "--request-rate", "50", "--no-baseline", "--no-plots",
+                       "--paired-cycles", "0")
     (point,) = report["points"]
     assert point["request_rate"] == 50 and point["concurrency"] == 2
     assert point["num_output_tokens"] == point["num_received_tokens"] \
@@ -143,7 +194,8 @@ def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
 def test_rounds_interleave_the_modes_and_targets_read_the_medians(
         daemon: Daemon, tmp_path: Path) -> None:
     report, table = _bench(daemon, tmp_path, "--modes", "off,on", "--concurrency", "1",
-                           "--rounds", "3", "--baseline-prompts", "1", "--no-plots")
+                           "--rounds", "3", "--baseline-prompts", "1", "--no-plots",
+                           "--paired-cycles", "0", "--batch1-pairs", "0")
     modes = ["off", "on"] if report["daemon"]["resolved"]["speculative"] else ["off"]
     # points in the order they ran: each round rotates the modes by one
     ran = [(p["round"], p["mode"]) for p in report["points"]]

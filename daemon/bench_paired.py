@@ -1,0 +1,230 @@
+"""Paired windows: the speculation modes compared on one running load.
+
+The sweep's points measure each mode for several seconds, one mode after another. On a
+machine whose speed drifts by tens of percent within seconds (a shared 2-core VM: a
+single-threaded matmul loop there swings 60 % within 15 s), two modes measured 8 s apart
+differ by more than the few percent `auto` must be judged on. Here the load never stops:
+`concurrency` clients run a closed loop without end, the daemon's mode is switched every
+`window_s + settle_s` seconds (off, on, auto, rotated each cycle), and each window counts
+the output tokens the clients received in it. Each mode's throughput is its tokens over
+its windows' time, summed over the cycles, so every mode samples the machine's slow and
+fast spells alike; the ratio is also given per cycle, to show its spread.
+
+What it measures is steady-state throughput at a full batch (the clients' next requests
+keep it at `concurrency`); a switch's transition (the step in flight, a drain with
+overlap scheduling) falls in the `settle_s` before a window, which is not counted. Per-request
+latencies stay with the points (a request here can span two modes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from specd.daemon.bench_progress import Progress
+from specd.ipc.client import SpecdError
+from specd.ipc.sampling import SamplingParams
+
+if TYPE_CHECKING:  # bench imports this module
+    from specd.daemon.bench import BenchClient
+
+
+def round_order(modes: list[str], round_index: int) -> list[str]:
+    """The modes in the order round `round_index` (1-based) runs them: rotated by one per
+    round, so that over len(modes) rounds each mode runs once in each position (first
+    after a concurrency change, right after each other mode)."""
+    shift = (round_index - 1) % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+@dataclass(frozen=True)
+class PairedConfig:
+    """cycles: windows per mode; window_s: a counted window; settle_s: uncounted time
+    after each switch; warm_s: uncounted time before the first window (the clients' first
+    requests are prefilled and the batch fills)."""
+
+    cycles: int = 4
+    window_s: float = 3.0
+    settle_s: float = 0.5
+    warm_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.cycles < 1:
+            raise ValueError(f"cycles must be >= 1, got {self.cycles}")
+        for name in ("window_s", "settle_s", "warm_s"):
+            if not getattr(self, name) >= 0 or (name == "window_s" and not self.window_s > 0):
+                raise ValueError(f"{name} must be {'> 0' if name == 'window_s' else '>= 0'}, "
+                                 f"got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One counted window: `tokens` output tokens received in [start, end) while the
+    daemon ran `mode`; the engine's counters over it give the share of tokens that
+    speculative steps made (None when the daemon does not report them)."""
+
+    mode: str
+    cycle: int  # 1-based
+    start: float
+    end: float
+    tokens: int
+    spec_share: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.end - self.start)
+
+
+@dataclass(frozen=True)
+class PairedRun:
+    """The windows of one concurrency; `errors` counts failed requests by code (a run
+    with any is not used to judge a target: its load was not the concurrency asked)."""
+
+    concurrency: int
+    windows: tuple[Window, ...]
+    num_requests: int
+    errors: dict[str, int]
+
+
+def tokens_in(arrivals: list[tuple[float, int]], start: float, end: float) -> int:
+    """Tokens of the arrivals (time, count) with start <= time < end."""
+    return sum(n for t, n in arrivals if start <= t < end)
+
+
+def _spec_share(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """(accepted + verify passes) / generated tokens between two stats replies."""
+    a, b = before.get("engine", {}), after.get("engine", {})
+    keys = ("num_verify_passes", "num_accepted", "num_generated_tokens")
+    if any(k not in a or k not in b for k in keys):
+        return None
+    passes, accepted, generated = (int(b[k]) - int(a[k]) for k in keys)
+    return min(1.0, (passes + accepted) / generated) if generated > 0 else None
+
+
+async def run_paired(client: BenchClient, prompts: list[str], sampling: SamplingParams,
+                     modes: list[str], concurrency: int, config: PairedConfig,
+                     progress: Progress | None = None) -> PairedRun:
+    """Run the closed loop at `concurrency` and count each mode's windows (see the module
+    docstring). The mode the daemon had is not restored here (the sweep restores it)."""
+    arrivals: list[tuple[float, int]] = []  # (time, tokens) of every frame, all clients
+    errors: dict[str, int] = {}
+    finished = 0
+    stop = asyncio.Event()
+
+    def on_tokens(now: float, count: int) -> None:
+        arrivals.append((now, count))
+
+    async def worker(first: int) -> None:
+        nonlocal finished
+        index = first
+        while not stop.is_set():
+            try:
+                await client.timed_request(prompts[index % len(prompts)], sampling,
+                                           on_tokens=on_tokens)
+            except SpecdError as exc:
+                errors[exc.code] = errors.get(exc.code, 0) + 1
+                return  # this client stops: the run is marked by its errors
+            finished += 1
+            if progress is not None:
+                progress.advance()
+            index += concurrency
+
+    spans: list[tuple[str, int, float, float, float | None]] = []
+    await client.set_spec(modes[0])
+    workers = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+    try:
+        await asyncio.sleep(config.warm_s)
+        for cycle in range(1, config.cycles + 1):
+            for mode in round_order(modes, cycle):
+                await client.set_spec(mode)
+                await asyncio.sleep(config.settle_s)
+                before = await client.stats()
+                start = time.perf_counter()
+                await asyncio.sleep(config.window_s)
+                end = time.perf_counter()
+                share = _spec_share(before, await client.stats())
+                spans.append((mode, cycle, start, end, share))
+    finally:
+        # Each client ends its request in flight (no abort: nothing is left half-sent).
+        stop.set()
+        await asyncio.gather(*workers)
+    windows = tuple(Window(mode, cycle, start, end, tokens_in(arrivals, start, end), share)
+                    for mode, cycle, start, end, share in spans)
+    return PairedRun(concurrency, windows, finished, errors)
+
+
+def summarize_paired(run: PairedRun) -> dict[str, Any]:
+    """JSON-ready: per mode its pooled tokens/s (tokens over window time, all cycles) and
+    per-cycle figures; with off, on and auto present, auto over the better of on and off,
+    pooled and per cycle."""
+    modes: dict[str, dict[str, Any]] = {}
+    for w in run.windows:
+        row = modes.setdefault(w.mode, {"tokens": 0, "seconds": 0.0, "tokens_per_s_by_cycle":
+                                        [], "spec_share_by_cycle": []})
+        row["tokens"] += w.tokens
+        row["seconds"] += w.end - w.start
+        row["tokens_per_s_by_cycle"].append(w.tokens_per_s)
+        row["spec_share_by_cycle"].append(w.spec_share)
+    for row in modes.values():
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+    result: dict[str, Any] = {"concurrency": run.concurrency, "num_requests": run.num_requests,
+                              "errors": dict(run.errors), "modes": modes,
+                              "windows": [{"mode": w.mode, "cycle": w.cycle,
+                                           "seconds": w.end - w.start, "tokens": w.tokens,
+                                           "spec_share": w.spec_share} for w in run.windows]}
+    if all(mode in modes for mode in ("off", "on", "auto")):
+        best = max(modes["on"]["tokens_per_s"], modes["off"]["tokens_per_s"])
+        by_cycle = [a / max(on, off) for a, on, off in zip(
+            modes["auto"]["tokens_per_s_by_cycle"], modes["on"]["tokens_per_s_by_cycle"],
+            modes["off"]["tokens_per_s_by_cycle"], strict=True) if max(on, off) > 0]
+        result["auto_over_best"] = modes["auto"]["tokens_per_s"] / best if best > 0 else None
+        result["auto_over_best_by_cycle"] = by_cycle
+    return result
+
+
+# ---- batch 1 against the transformers baseline ---------------------------------------------
+
+BaselinePrompt = Callable[[int], tuple[int, float]]  # prompt index -> (tokens, seconds)
+
+
+@dataclass(frozen=True)
+class Batch1Pairs:
+    """specd (spec on, batch 1) and the baseline taking turns, one prompt each: pair i is
+    prompt i through specd, then through the baseline. (tokens, seconds) per prompt."""
+
+    specd: tuple[tuple[int, float], ...]
+    baseline: tuple[tuple[int, float], ...]
+
+
+async def run_batch1_pairs(client: BenchClient, prompts: list[str], sampling: SamplingParams,
+                           num_pairs: int, baseline_prompt: BaselinePrompt,
+                           progress: Progress | None = None) -> Batch1Pairs:
+    """Alternate one specd request (speculation on) and one baseline generation per
+    prompt, so that the two sides of each pair run seconds apart on the same machine
+    state. The baseline runs in a thread while the daemon is idle."""
+    ours: list[tuple[int, float]] = []
+    theirs: list[tuple[int, float]] = []
+    await client.set_spec("on")
+    for index in range(num_pairs):
+        record = await client.timed_request(prompts[index % len(prompts)], sampling)
+        ours.append((record.num_output_tokens, record.latency_s))
+        theirs.append(await asyncio.to_thread(baseline_prompt, index))
+        if progress is not None:
+            progress.advance()
+    return Batch1Pairs(tuple(ours), tuple(theirs))
+
+
+def summarize_batch1_pairs(pairs: Batch1Pairs) -> dict[str, Any]:
+    """Each side's tokens/s over all its prompts (tokens over seconds, pooled), their
+    ratio, and the ratio per pair."""
+    def rate(rows: tuple[tuple[int, float], ...]) -> float:
+        return sum(n for n, _ in rows) / sum(s for _, s in rows)
+
+    ours, theirs = rate(pairs.specd), rate(pairs.baseline)
+    return {"num_pairs": len(pairs.specd), "specd_tokens_per_s": ours,
+            "baseline_tokens_per_s": theirs, "ratio": ours / theirs,
+            "ratio_by_pair": [(a / sa) / (b / sb) for (a, sa), (b, sb)
+                              in zip(pairs.specd, pairs.baseline, strict=True)]}

@@ -1,0 +1,105 @@
+"""The paired measurements' arithmetic (bench_paired) and how the targets read them: pure
+functions checked on hand-made windows and pairs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.daemon.bench_paired import (
+    Batch1Pairs,
+    PairedConfig,
+    PairedRun,
+    Window,
+    summarize_batch1_pairs,
+    summarize_paired,
+    tokens_in,
+)
+from specd.daemon.bench_report import check_targets
+
+
+def _run(figures: dict[str, list[int]], seconds: float = 2.0,
+         errors: dict[str, int] | None = None) -> PairedRun:
+    """Windows of `seconds` each, cycle by cycle, `figures[mode][cycle]` tokens."""
+    windows = []
+    clock = 0.0
+    for cycle in range(len(next(iter(figures.values())))):
+        for mode, tokens in figures.items():
+            windows.append(Window(mode, cycle + 1, clock, clock + seconds, tokens[cycle],
+                                  1.0 if mode == "on" else 0.0))
+            clock += seconds + 0.5
+    return PairedRun(8, tuple(windows), 40, errors or {})
+
+
+def test_a_window_counts_the_tokens_that_arrived_inside_it() -> None:
+    arrivals = [(0.9, 3), (1.0, 4), (1.5, 1), (2.0, 7)]
+    assert tokens_in(arrivals, 1.0, 2.0) == 5  # start counted, end not
+    assert tokens_in(arrivals, 3.0, 4.0) == 0
+
+
+def test_each_mode_is_pooled_over_its_windows_and_auto_compared_per_cycle() -> None:
+    # cycle 2 is a slow spell of the machine for every mode alike: the pooled ratio and
+    # the per-cycle ratios both see auto at the level of the better mode
+    row = summarize_paired(_run({"off": [400, 200], "on": [600, 300], "auto": [594, 300]}))
+    assert row["modes"]["on"]["tokens_per_s"] == pytest.approx(900 / 4.0)
+    assert row["modes"]["off"]["tokens_per_s_by_cycle"] == pytest.approx([200.0, 100.0])
+    assert row["auto_over_best"] == pytest.approx(894 / 900)
+    assert row["auto_over_best_by_cycle"] == pytest.approx([0.99, 1.0])
+    assert len(row["windows"]) == 6 and row["windows"][0]["seconds"] == pytest.approx(2.0)
+
+
+def test_without_all_three_modes_there_is_no_auto_ratio() -> None:
+    row = summarize_paired(_run({"off": [400], "on": [600]}))
+    assert "auto_over_best" not in row and set(row["modes"]) == {"off", "on"}
+
+
+def test_batch1_pairs_pool_tokens_over_seconds_on_each_side() -> None:
+    pairs = Batch1Pairs(specd=((100, 0.5), (100, 1.0)), baseline=((100, 2.0), (100, 2.0)))
+    row = summarize_batch1_pairs(pairs)
+    assert row["specd_tokens_per_s"] == pytest.approx(200 / 1.5)
+    assert row["baseline_tokens_per_s"] == pytest.approx(50.0)
+    assert row["ratio"] == pytest.approx((200 / 1.5) / 50.0)
+    assert row["ratio_by_pair"] == pytest.approx([4.0, 2.0])
+
+
+def test_targets_read_the_paired_figures_where_they_ran() -> None:
+    # the rounds' medians, taken seconds apart, put auto 10 % behind at c=8; the paired
+    # windows, switched on one load, put it level: the target reads the paired figure and
+    # keeps the rounds' one beside it
+    points = [{"mode": mode, "concurrency": 8, "output_tokens_per_s": tps}
+              for mode, tps in (("off", 400.0), ("on", 300.0), ("auto", 360.0))]
+    paired = [summarize_paired(_run({"off": [800], "on": [600], "auto": [792]}))]
+    (row,) = check_targets(points, None, paired)["auto_vs_best"]
+    assert row["source"] == "paired windows" and row["met"]
+    assert row["auto_over_best"] == pytest.approx(0.99)
+    assert row["auto_over_best_rounds"] == pytest.approx(0.9)
+    assert row["by_cycle"] == pytest.approx([0.99])
+
+
+def test_a_paired_run_with_failed_requests_judges_nothing() -> None:
+    points = [{"mode": mode, "concurrency": 8, "output_tokens_per_s": tps}
+              for mode, tps in (("off", 400.0), ("on", 300.0), ("auto", 360.0))]
+    paired = [summarize_paired(_run({"off": [800], "on": [600], "auto": [792]},
+                                    errors={"overloaded": 1}))]
+    (row,) = check_targets(points, None, paired)["auto_vs_best"]
+    assert row["source"] == "rounds' medians" and not row["met"]
+
+
+def test_the_batch1_target_reads_the_pairs() -> None:
+    points = [{"mode": "on", "concurrency": 1, "output_tokens_per_s": 250.0}]
+    pairs = summarize_batch1_pairs(Batch1Pairs(((128, 0.4),), ((128, 1.6),)))
+    versus = check_targets(points, {"tokens_per_s": 100.0}, None, pairs)[
+        "batch1_vs_transformers"]
+    assert versus["source"] == "pairs" and versus["ratio"] == pytest.approx(4.0)
+    assert versus["met"] is True and versus["ratio_rounds"] == pytest.approx(2.5)
+    assert versus["by_pair"] == pytest.approx([4.0])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cycles": 0}, "cycles must be >= 1"),
+    ({"window_s": 0.0}, "window_s must be > 0"),
+    ({"settle_s": -1.0}, "settle_s must be >= 0"),
+])
+def test_paired_config_rejects_what_cannot_measure(options: dict[str, float],
+                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PairedConfig(**options)
