@@ -11,7 +11,12 @@ its windows' time, summed over the cycles, so every mode samples the machine's s
 fast spells alike; the ratio is also given per cycle, to show its spread.
 
 What it measures is steady-state throughput at a full batch (the clients' next requests
-keep it at `concurrency`); a switch's transition (the step in flight, a drain with
+keep it at `concurrency`). The requests' lengths vary around `max_tokens` (uniform within
++-`length_spread`), and each client's first request is cut at a uniform point, so that the
+requests end at times spread over their lifetime: with equal lengths the clients move in
+waves (all prefill together, all decode, all end), a wave lasts about as long as a window,
+and whether a window holds a wave's prefill burst (and which mode it was) would decide its
+figure. A switch's transition (the step in flight, a drain with
 overlap scheduling) falls in the `settle_s` before a window, which is not counted. Per-request
 latencies stay with the points (a request here can span two modes).
 """
@@ -19,10 +24,13 @@ latencies stay with the points (a request here can span two modes).
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from specd.daemon.bench_progress import Progress
 from specd.ipc.client import SpecdError
@@ -50,10 +58,14 @@ class PairedConfig:
     window_s: float = 3.0
     settle_s: float = 0.5
     warm_s: float = 2.0
+    length_spread: float = 0.5
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.cycles < 1:
             raise ValueError(f"cycles must be >= 1, got {self.cycles}")
+        if not 0.0 <= self.length_spread < 1.0:
+            raise ValueError(f"length_spread must be in [0, 1), got {self.length_spread}")
         for name in ("window_s", "settle_s", "warm_s"):
             if not getattr(self, name) >= 0 or (name == "window_s" and not self.window_s > 0):
                 raise ValueError(f"{name} must be {'> 0' if name == 'window_s' else '>= 0'}, "
@@ -89,6 +101,15 @@ class PairedRun:
     errors: dict[str, int]
 
 
+def request_lengths(max_tokens: int, spread: float, rng: random.Random, first: bool) -> int:
+    """Output tokens of a paired-window request: uniform in [m(1 - spread), m(1 + spread)]
+    (m = max_tokens, at least 2), or, for a client's first request, uniform in
+    [2, m(1 + spread)] (a request met mid-life in a steady load)."""
+    high = max(2, round(max_tokens * (1 + spread)))
+    low = 2 if first else max(2, round(max_tokens * (1 - spread)))
+    return rng.randint(low, high)
+
+
 def tokens_in(arrivals: list[tuple[float, int]], start: float, end: float) -> int:
     """Tokens of the arrivals (time, count) with start <= time < end."""
     return sum(n for t, n in arrivals if start <= t < end)
@@ -120,9 +141,13 @@ async def run_paired(client: BenchClient, prompts: list[str], sampling: Sampling
     async def worker(first: int) -> None:
         nonlocal finished
         index = first
+        rng = random.Random(config.seed * 1_000_003 + first)  # each client its own draws
         while not stop.is_set():
+            length = request_lengths(sampling.max_tokens, config.length_spread, rng,
+                                     index == first)
             try:
-                await client.timed_request(prompts[index % len(prompts)], sampling,
+                await client.timed_request(prompts[index % len(prompts)],
+                                           msgspec.structs.replace(sampling, max_tokens=length),
                                            on_tokens=on_tokens)
             except SpecdError as exc:
                 errors[exc.code] = errors.get(exc.code, 0) + 1

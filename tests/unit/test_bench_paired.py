@@ -3,6 +3,8 @@ functions checked on hand-made windows and pairs."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specd.daemon.bench_paired import (
@@ -10,6 +12,7 @@ from specd.daemon.bench_paired import (
     PairedConfig,
     PairedRun,
     Window,
+    request_lengths,
     summarize_batch1_pairs,
     summarize_paired,
     tokens_in,
@@ -103,3 +106,16 @@ def test_paired_config_rejects_what_cannot_measure(options: dict[str, float],
                                                     message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PairedConfig(**options)
+
+
+def test_paired_request_lengths_vary_around_max_tokens_and_first_ones_are_cut() -> None:
+    # equal lengths would move the clients in waves (all prefill, all decode together)
+    rng = random.Random(0)
+    later = [request_lengths(128, 0.5, rng, first=False) for _ in range(2000)]
+    assert min(later) >= 64 and max(later) <= 192
+    assert sum(later) / len(later) == pytest.approx(128, rel=0.03)
+    assert len(set(later)) > 100
+    first = [request_lengths(128, 0.5, rng, first=True) for _ in range(2000)]
+    assert min(first) >= 2 and max(first) <= 192 and min(first) < 20
+    assert {request_lengths(128, 0.0, rng, first=False) for _ in range(20)} == {128}
+    assert request_lengths(2, 0.5, rng, first=False) >= 2
