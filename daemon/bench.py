@@ -349,18 +349,20 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
         skipped = {mode: "the daemon serves without speculation (resolved.speculative is "
                          "false: no draft model, or speculation not built in)"
                    for mode in config.modes if mode not in runnable}
-        paired_modes = runnable if len(runnable) > 1 and config.paired is not None else []
-        do_pairs = (config.batch1_pairs > 0 and baseline_prompt is not None
-                    and "on" in runnable and 1 in config.concurrencies)
+        # None where they do not run: one mode has nothing to pair with; pairs need `on`
+        # at batch 1 and a baseline
+        paired = config.paired if len(runnable) > 1 else None
+        pair_with = (baseline_prompt if config.batch1_pairs > 0 and "on" in runnable
+                     and 1 in config.concurrencies else None)
         num_points = (len(config.concurrencies) * (len(runnable) * config.rounds
-                                                   + (1 if paired_modes else 0))
-                      + (1 if do_pairs else 0))
+                                                   + (paired is not None))
+                      + (pair_with is not None))
         # With --max-duration a point ends on time, so its request count is not known.
         progress = Progress(num_points, None if config.max_duration_s is not None else
                             sum(config.requests_at(c) for c in config.concurrencies)
                             * len(runnable) * config.rounds)
         points = []
-        paired: list[PairedRun] = []
+        paired_runs: list[PairedRun] = []
         pairs: Batch1Pairs | None = None
         try:
             # modes interleaved at each concurrency: the figures compared with each other
@@ -380,18 +382,18 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
                                                       concurrency, progress, round_index))
                     if after_round is not None:
                         await after_round(daemon, concurrency, round_index)
-                if paired_modes and config.paired is not None:
+                if paired is not None:
                     progress.begin(f"paired windows c={concurrency}")
-                    paired.append(await run_paired(client, prompts, config.sampling,
-                                                   paired_modes, concurrency, config.paired,
-                                                   progress))
-                if concurrency == 1 and do_pairs and baseline_prompt is not None:
+                    paired_runs.append(await run_paired(client, prompts, config.sampling,
+                                                        runnable, concurrency, paired,
+                                                        progress))
+                if concurrency == 1 and pair_with is not None:
                     progress.begin(f"batch 1 vs baseline, {config.batch1_pairs} pairs")
                     pairs = await run_batch1_pairs(client, prompts, config.sampling,
-                                                   config.batch1_pairs,
-                                                   baseline_prompt(daemon), progress)
+                                                   config.batch1_pairs, pair_with(daemon),
+                                                   progress)
         finally:
             progress.close()
             if speculative:
                 await client.set_spec(initial_mode)
-    return SweepRun(daemon, tuple(points), skipped, tuple(paired), pairs)
+    return SweepRun(daemon, tuple(points), skipped, tuple(paired_runs), pairs)

@@ -16,9 +16,9 @@ keep it at `concurrency`). The requests' lengths vary around `max_tokens` (unifo
 requests end at times spread over their lifetime: with equal lengths the clients move in
 waves (all prefill together, all decode, all end), a wave lasts about as long as a window,
 and whether a window holds a wave's prefill burst (and which mode it was) would decide its
-figure. A switch's transition (the step in flight, a drain with
-overlap scheduling) falls in the `settle_s` before a window, which is not counted. Per-request
-latencies stay with the points (a request here can span two modes).
+figure. A switch's transition (the step in flight, a drain with overlap scheduling) falls
+in the `settle_s` before a window, which is not counted. Per-request latencies stay with
+the points (a request here can span two modes).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def round_order(modes: list[str], round_index: int) -> list[str]:
 class PairedConfig:
     """cycles: windows per mode; window_s: a counted window; settle_s: uncounted time
     after each switch; warm_s: uncounted time before the first window (the clients' first
-    requests are prefilled and the batch fills)."""
+    requests are prefilled and the batch fills); length_spread: requests' lengths vary
+    within +-this fraction of max_tokens (`request_lengths`); seed: of those draws."""
 
     cycles: int = 4
     window_s: float = 3.0
@@ -66,10 +67,12 @@ class PairedConfig:
             raise ValueError(f"cycles must be >= 1, got {self.cycles}")
         if not 0.0 <= self.length_spread < 1.0:
             raise ValueError(f"length_spread must be in [0, 1), got {self.length_spread}")
-        for name in ("window_s", "settle_s", "warm_s"):
-            if not getattr(self, name) >= 0 or (name == "window_s" and not self.window_s > 0):
-                raise ValueError(f"{name} must be {'> 0' if name == 'window_s' else '>= 0'}, "
-                                 f"got {getattr(self, name)}")
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if not self.settle_s >= 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
+        if not self.warm_s >= 0:
+            raise ValueError(f"warm_s must be >= 0, got {self.warm_s}")
 
 
 @dataclass(frozen=True)
@@ -115,11 +118,13 @@ def tokens_in(arrivals: list[tuple[float, int]], start: float, end: float) -> in
     return sum(n for t, n in arrivals if start <= t < end)
 
 
-def _spec_share(before: dict[str, Any], after: dict[str, Any]) -> float | None:
-    """(accepted + verify passes) / generated tokens between two stats replies."""
+def counter_spec_share(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """The share of output tokens that speculative steps made between two stats replies:
+    each verify pass emits its accepted drafts + 1 token, so (accepted + verify passes) /
+    generated tokens; None without the counters or without tokens."""
     a, b = before.get("engine", {}), after.get("engine", {})
     keys = ("num_verify_passes", "num_accepted", "num_generated_tokens")
-    if any(k not in a or k not in b for k in keys):
+    if any(a.get(k) is None or b.get(k) is None for k in keys):
         return None
     passes, accepted, generated = (int(b[k]) - int(a[k]) for k in keys)
     return min(1.0, (passes + accepted) / generated) if generated > 0 else None
@@ -170,7 +175,7 @@ async def run_paired(client: BenchClient, prompts: list[str], sampling: Sampling
                 start = time.perf_counter()
                 await asyncio.sleep(config.window_s)
                 end = time.perf_counter()
-                share = _spec_share(before, await client.stats())
+                share = counter_spec_share(before, await client.stats())
                 spans.append((mode, cycle, start, end, share))
     finally:
         # Each client ends its request in flight (no abort: nothing is left half-sent).

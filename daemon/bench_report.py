@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specd.daemon.bench import EngineSample, PointRun
+from specd.daemon.bench_paired import counter_spec_share
 
 AUTO_TARGET = 0.97
 BASELINE_TARGET = 3.0
@@ -56,11 +57,9 @@ def spec_share(point: PointRun) -> tuple[float, str]:
     drafts + 1 token: (accepted + verify passes) / generated tokens), else "sampled" (the
     share of stats samples, taken while requests ran, in which speculation was active).
     A request's first token comes from its prefill step, so `on` stays a little below 1."""
-    passes = _engine_delta(point, "num_verify_passes")
-    accepted = _engine_delta(point, "num_accepted")
-    generated = _engine_delta(point, "num_generated_tokens")
-    if passes is not None and accepted is not None and generated:
-        return min(1.0, (passes + accepted) / generated), "counter"
+    share = counter_spec_share(point.stats_before, point.stats_after)
+    if share is not None:
+        return share, "counter"
     busy = [s for s in point.samples if s.num_running > 0]
     if not busy:
         return 0.0, "sampled"
