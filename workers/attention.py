@@ -177,24 +177,36 @@ def _attend_group(q: torch.Tensor, kv_cache_layer: torch.Tensor, group: QueryGro
     g, t = group.num_seqs, group.num_query_rows
     num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
     # [2, G * max_blocks, block_size, kv_heads, head_dim] -> K, V [G, kv_heads, S_pad, head_dim]
-    if group.stage_plan is not None:
-        k_g, v_g = group.stage_plan.stage.keys_values(kv_cache_layer, group.key_blocks,
-                                                      group.stage_plan)
+    plan = group.stage_plan
+    if plan is not None:
+        # Rows of the kept copy are in its own order: attend the queries in that order.
+        k_g, v_g = plan.stage.keys_values(kv_cache_layer, group.key_blocks, plan)
+        if not plan.is_identity:
+            q_rows = q.view(g, -1, head_dim)[plan.order]  # [G, heads, head_dim], row order
+            o_rows = _attend_decode(q_rows, k_g, v_g, group.mask[plan.order], scale)
+            return o_rows[plan.row_of]
     else:
         kv = kv_cache_layer.index_select(1, group.key_blocks)
         k_g = kv[0].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
         v_g = kv[1].view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
     if t == 1:
-        # Decode: the heads sharing a KV head become that KV head's query rows (head h uses
-        # KV head h // group, as transformers' repeat_kv), so K/V are never repeated and the
-        # [G, 1, 1, S_pad] mask broadcasts over them.
-        q_g = q.view(g, num_kv_heads, -1, head_dim)  # [G, kv_heads, group, head_dim]
-        o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scale)
-        return o_g.reshape(g, -1, head_dim)
+        return _attend_decode(q.view(g, -1, head_dim), k_g, v_g, group.mask, scale)
     q_g = q.view(g, t, -1, head_dim).transpose(1, 2)  # [G, heads, T, head_dim]
     o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=group.mask, scale=scale,
                                          enable_gqa=True)  # [G, heads, T, head_dim]
     return o_g.transpose(1, 2).reshape(g * t, -1, head_dim)
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Decode attention: q [G, heads, d] over k, v [G, kv_heads, S_pad, d] with mask [G, 1,
+    1, S_pad] -> [G, heads, d]. The heads sharing a KV head become that KV head's query
+    rows (head h uses KV head h // group, as transformers' repeat_kv), so K/V are never
+    repeated and the mask broadcasts over them."""
+    g, _, head_dim = q.shape
+    q_g = q.view(g, k.shape[1], -1, head_dim)  # [G, kv_heads, group, head_dim]
+    o_g = F.scaled_dot_product_attention(q_g, k, v, attn_mask=mask, scale=scale)
+    return o_g.reshape(g, -1, head_dim)
 
 
 def _build_groups(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,

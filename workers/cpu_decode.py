@@ -9,11 +9,12 @@ the first step of each batch-size class compiles for 20-40 s on two cores; the c
 code is cached on disk by inductor and reused by later processes).
 
 Contract of the compiled function (`_decode`): input ids and positions [G, T] (T = 1 for
-plain decode, the drafts + 1 for verification); per layer each sequence's K/V history
-[2, G, kv_heads, W, d] (decode: the kept copy of decode_stage.DecodeStage, W its capacity;
-verify: gathered from the paged cache), hist_ok [G, W] (True at positions before this
-step's tokens) and new_ok [G, T, T] (row i sees this step's key j: causal, or the draft
-tree's ancestors). It reads no cache and writes nothing: attention is over the history
+plain decode, the drafts + 1 for verification); the sequences' K/V histories, a list of
+layer 0's K, layer 0's V, layer 1's K, ..., each [G, kv_heads, W, d] and contiguous
+(decode: rows [0, G) of the kept copy of decode_stage.DecodeStage, W its capacity, the
+step's rows permuted into the copy's row order; verify: gathered from the paged cache),
+hist_ok [G, W] (True at positions before this step's tokens) and new_ok [G, T, T] (row i
+sees this step's key j: causal, or the draft tree's ancestors). It reads no cache and writes nothing: attention is over the history
 plus the step's own keys, and the new K/V come back [L, G * T, kv_heads, d] for the caller
 to store in the paged cache (and append to the kept copy). G and W are marked dynamic, so
 one compilation serves every batch size >= 2 and every length; batch size 1 and each T
@@ -100,10 +101,10 @@ def _mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, hist: list[t
     """Batch size G (unless 1: dynamo compiles size 1 apart anyway) and history width W."""
     if input_ids.shape[0] > 1:
         batch_dims = ((input_ids, 0), (positions, 0), (hist_ok, 0), (new_ok, 0),
-                      *((h, 1) for h in hist))
+                      *((h, 0) for h in hist))  # hist: every layer's K and V
         for t, dim in batch_dims:
             torch._dynamo.mark_dynamic(t, dim)
-    for t, dim in ((hist_ok, 1), *((h, 3) for h in hist)):
+    for t, dim in ((hist_ok, 1), *((h, 2) for h in hist)):
         torch._dynamo.mark_dynamic(t, dim)
 
 
@@ -131,6 +132,7 @@ class CompiledDecode:
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.error: str | None = None  # why it fell back to eager, for status
         self.num_steps = 0  # compiled decode steps
+        self.num_row_order_steps = 0  # of which ran in the kept copy's row order
         self.num_verify_steps = 0
 
     def applies(self, meta: AttentionMetadata) -> bool:
@@ -152,18 +154,21 @@ class CompiledDecode:
         group = meta.groups[0]
         g, t = group.num_seqs, group.num_query_rows
         plan = group.stage_plan
+        ids, pos = input_ids.view(g, t), positions.view(g, t)
         if plan is not None:
             # Whole kept copies, not [:width] slices: a slice is contiguous only when it is
             # full, and dynamo would compile that case apart. The mask hides the headroom.
-            hist = [plan.stage.history(kv, group.key_blocks, plan) for kv in kv_caches]
+            copies = [plan.stage.history(kv, group.key_blocks, plan) for kv in kv_caches]
+            hist = [half[:g] for copy in copies for half in copy]  # K, V per layer
             hist_len = plan.new_positions  # [G]: history positions before the new token
             new_ok = torch.ones(g, 1, 1, dtype=torch.bool)
+            if not plan.is_identity:  # the step runs in the copy's row order
+                ids, pos, hist_len = ids[plan.order], pos[plan.order], hist_len[plan.order]
         else:
-            hist = [_gather(kv, group.key_blocks, g) for kv in kv_caches]
+            hist = [half for kv in kv_caches for half in _gather(kv, group.key_blocks, g)]
             hist_len = meta.seq_lens.long() - t
             new_ok = _new_rows_mask(meta.tree_mask, g, t)
-        hist_ok = torch.arange(hist[0].shape[3])[None, :] < hist_len[:, None]  # [G, W]
-        ids, pos = input_ids.view(g, t), positions.view(g, t)
+        hist_ok = torch.arange(hist[0].shape[2])[None, :] < hist_len[:, None]  # [G, W]
         _mark_dynamic(ids, pos, hist, hist_ok, new_ok)
         try:
             # Freezing (weights as constants, packed for oneDNN) is read when a call compiles.
@@ -175,12 +180,17 @@ class CompiledDecode:
             # A kept copy is still valid for the eager step: `history` changed it only on
             # refresh, which the eager step repeats (after writing its token).
             return None
+        if plan is not None and not plan.is_identity:  # back to batch order
+            back = plan.row_of
+            hidden, k_new, v_new = hidden[back], k_new[:, back], v_new[:, back]
+            aux = None if aux is None else aux[back]
         for layer, kv in enumerate(kv_caches):
             store_kv(k_new[layer], v_new[layer], kv, meta.slot_mapping)
             if plan is not None:
                 plan.stage.append(kv, plan, k_new[layer], v_new[layer])
         if t == 1:
             self.num_steps += 1
+            self.num_row_order_steps += plan is not None and not plan.is_identity
         else:
             self.num_verify_steps += 1
         return hidden, aux
@@ -208,8 +218,8 @@ class CompiledDecode:
             q, k, v = attn.project(layer.input_layernorm(h), cos_sin)
             keys.append(k)
             values.append(v)
-            out = attend_history_and_new(q, k, v, hist[i][0], hist[i][1], hist_ok, new_ok,
-                                         attn.scale)
+            out = attend_history_and_new(q, k, v, hist[2 * i], hist[2 * i + 1], hist_ok,
+                                         new_ok, attn.scale)
             h = h + attn.o_proj(out.reshape(h.shape[0], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if self._capture_after[i]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specd.workers.attention import build_attention_metadata, paged_attention, store_kv
-from specd.workers.decode_stage import DecodeStage
+from specd.workers.decode_stage import DecodeStage, assign_rows
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 4, 8
@@ -98,11 +98,14 @@ def test_requests_leaving_and_joining_every_step_are_remapped_not_regathered() -
     cache, stage = Cache(3, num_blocks=512), DecodeStage(BLOCK_SIZE)
     gen = torch.Generator().manual_seed(7)
     group: list[tuple[list[int], int]] = []  # (table, length) per sequence, in order
+    departures = arrivals = 0
     for step in range(60):
         group = [(t, n + 1) for t, n in group]
         if group and torch.rand(1, generator=gen).item() < 0.5:
             group.pop(int(torch.randint(len(group), (1,), generator=gen)))
+            departures += 1
         if len(group) < 6:
+            arrivals += 1
             n = int(torch.randint(2, 20, (1,), generator=gen))
             table = cache.table_for([], n)
             cache.write([table], [list(range(n - 1))])  # its prefill
@@ -112,6 +115,10 @@ def test_requests_leaving_and_joining_every_step_are_remapped_not_regathered() -
         torch.testing.assert_close(staged, fresh, atol=1e-6, rtol=1e-6, msg=f"step {step}")
     assert stage.num_remaps >= 30
     assert stage.num_refreshes <= 3  # the first step, and growth past the headroom
+    # Rows stay put: only a shrinking group moves a row (at most one per departure), and
+    # only newcomers are gathered.
+    assert stage.num_rows_moved <= departures
+    assert stage.num_rows_gathered <= arrivals
 
 
 def test_a_retried_layer_is_not_remapped_twice() -> None:
@@ -126,7 +133,7 @@ def test_a_retried_layer_is_not_remapped_twice() -> None:
     lens = [10, 4]
     meta = build_attention_metadata([1, 1], lens, tables, BLOCK_SIZE, CPU, stage=stage)
     (group,) = meta.groups
-    assert group.stage_plan is not None and group.stage_plan.reuse is not None
+    assert group.stage_plan is not None and group.stage_plan.gathers is not None
     first = stage.history(cache.kv, group.key_blocks, group.stage_plan).clone()
     again = stage.history(cache.kv, group.key_blocks, group.stage_plan)
     torch.testing.assert_close(first, again)
@@ -139,3 +146,39 @@ def test_plain_engine_steps_use_the_stage() -> None:
     engine.generate(["def f(x):\n", "import os\n"], specd.SamplingParams(max_tokens=12))
     stage = engine.core.runner.decode_stage
     assert stage is not None and stage.num_appends > 0
+
+
+def test_rows_are_kept_and_only_a_shrinking_group_moves_rows() -> None:
+    # Rows 0-4 held five sequences; now rows 1 and 3 left and two newcomers came, first
+    # and last in the batch: the sequences keep rows 0, 2 and 4 and the newcomers take the
+    # free rows 1 and 3; nothing is copied.
+    row_of, moves, newcomers = assign_rows([-1, 4, 0, 2, -1], 5)
+    assert row_of == [1, 4, 0, 2, 3] and moves == [] and newcomers == [0, 4]
+    # Three of five left, none came: rows 3 and 4 lie past the group of two and move down.
+    row_of, moves, newcomers = assign_rows([4, 3], 2)
+    assert sorted(row_of) == [0, 1] and moves == [(4, row_of[0]), (3, row_of[1])]
+    assert newcomers == []
+    # The same sequences in another batch order: rows kept, no copying.
+    assert assign_rows([2, 0, 1], 3) == ([2, 0, 1], [], [])
+
+
+def test_a_group_in_another_order_than_its_rows_attends_each_sequence_to_its_own_row() -> None:
+    cache, stage = Cache(5), DecodeStage(BLOCK_SIZE)
+    lens = [5, 9, 3, 7]
+    tables = [cache.table_for([], n) for n in lens]
+    cache.write(tables, [list(range(n - 1)) for n in lens])
+    decode_both(cache, stage, tables, lens)
+    # The second sequence leaves and a newcomer joins in front: the batch order is no
+    # longer the rows' order, and the queries are permuted for the kept rows.
+    new_table = cache.table_for([], 4)
+    cache.write([new_table], [list(range(3))])
+    tables = [new_table, tables[0], tables[2], tables[3]]
+    lens = [4, 6, 4, 8]
+    tables = [cache.table_for(t, n) for t, n in zip(tables, lens, strict=True)]
+    for step in range(3):
+        staged, fresh = decode_both(cache, stage, tables, lens)
+        torch.testing.assert_close(staged, fresh, atol=1e-6, rtol=1e-6, msg=f"step {step}")
+        lens = [n + 1 for n in lens]
+        tables = [cache.table_for(t, n) for t, n in zip(tables, lens, strict=True)]
+    assert (stage.num_refreshes, stage.num_remaps, stage.num_rows_moved) == (1, 1, 0)
+    assert stage.num_appends == 2
