@@ -38,6 +38,8 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     # Requests finished and joined while others decoded, so some steps ran in the kept
     # copy's row order rather than the batch's (decode_stage.py).
     assert compiled.num_row_order_steps > 0
+    # and a prefill joining the decoding batch ran beside a compiled decode, not eagerly
+    assert core.runner.num_split_steps > 0
     assert compiled.num_verify_steps > 0  # and verify steps
     assert core.scheduler.num_preemptions > 0
     assert core.stats().num_accepted > 0  # drafts made from the compiled steps' aux rows
