@@ -1,9 +1,17 @@
 """`specctl tune-spec`: where speculation stops paying for the loaded model on this machine.
 
-At each batch size b, b clients send greedy requests (held-out prompts, `ignore_eos`, a
-fixed token count) in a closed loop, once with speculation off and once on, so the batch
-stays at b. From the engine's counters over a window in which every client has had its
-first request answered and two more per client are answered:
+At each batch size b, b clients send greedy requests (held-out prompts, `ignore_eos`) in
+a closed loop, once with speculation off and once on, so the batch stays at b. The load is
+steady, as a service's is: each request's length is drawn uniformly within +-50% of
+`--max-tokens` and each client's first request is cut at a uniform point
+(`bench_paired.request_lengths`), so requests end and join a few at a time. With equal
+lengths the clients moved in waves (all prefilling, all decoding, all ending together),
+and plain decode measured in waves ran up to twice as fast as under a steady load on the
+2-core CPU: the crossing measured in waves (21) turned speculation off at 32-64 requests
+where, under a steady load, it paid 1.5-1.7x (docs/benchmarks.md, seventh session).
+
+From the engine's counters over a window in which every client has had its first request
+answered and two more per client are answered:
 
     step cost       wall / engine steps          (plain decode off; draft + verify on)
     tokens per step generated / (steps * b)      (the acceptance length when on)
@@ -30,11 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from specd.daemon.bench import BenchClient, load_prompts
+from specd.daemon.bench_paired import request_lengths
 from specd.ipc.client import SpecdError
 from specd.ipc.sampling import SamplingParams
 
@@ -43,6 +55,7 @@ NO_MEASURE = "--no-spec-auto-measure"
 WINDOW_REQUESTS = 2  # requests per client answered inside the measured window
 TREE_TOPK = 4  # the tree offered on a GPU: EAGLE-2's usual shape
 TREE_TOKENS_PER_STEP = 2
+LENGTH_SPREAD = 0.5  # request lengths uniform within +-50% of --max-tokens
 
 
 async def _run_batch(client: BenchClient, prompts: list[str], batch_size: int,
@@ -52,7 +65,8 @@ async def _run_batch(client: BenchClient, prompts: list[str], batch_size: int,
     opens once every client has had a request answered (the first wave of prefills is
     over) and closes when WINDOW_REQUESTS more per client have been answered. Measuring a
     single batch to its end instead would count, with speculation, the tail in which its
-    slowest request runs alone."""
+    slowest request runs alone. Lengths vary (module docstring), drawn from a seeded
+    generator per client, so both modes see the same requests."""
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     loop = asyncio.get_running_loop()
     done_per_client = [0] * batch_size
@@ -61,8 +75,11 @@ async def _run_batch(client: BenchClient, prompts: list[str], batch_size: int,
 
     async def client_loop(i: int) -> None:
         n = 0
+        rng = random.Random(i)
         while not closed.is_set():
-            await client.timed_request(prompts[(i + n * batch_size) % len(prompts)], sampling)
+            length = request_lengths(max_tokens, LENGTH_SPREAD, rng, first=n == 0)
+            await client.timed_request(prompts[(i + n * batch_size) % len(prompts)],
+                                       msgspec.structs.replace(sampling, max_tokens=length))
             n += 1
             done_per_client[i] = n
             if min(done_per_client) >= 1:
