@@ -1,15 +1,20 @@
 """tune-spec's arithmetic and its environment-file edit, and the benchmark's percentiles
-and targets: pure functions checked on hand-made figures."""
+and targets: pure functions checked on hand-made figures; tune-spec's closed loop against a
+stand-in client."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from specd.daemon.bench import BenchConfig, round_order
 from specd.daemon.bench_report import check_targets, medians, percentiles
 from specd.daemon.tune_spec import (
+    LENGTH_SPREAD,
+    _run_batch,
     best_chain_depth,
     chain_acceptance_rate,
     crossover,
@@ -17,6 +22,47 @@ from specd.daemon.tune_spec import (
     update_env_args,
     update_env_file,
 )
+
+
+class CountingClient:
+    """Stands in for the daemon: answers each request after a short sleep, counts steps
+    and tokens as an engine would (one token per request per step), and records each
+    prompt's (here: each client's) request lengths in order."""
+
+    def __init__(self) -> None:
+        self.lengths: dict[str, list[int]] = {}
+        self.steps = self.tokens = 0
+
+    async def timed_request(self, prompt: str, sampling: Any) -> None:
+        self.lengths.setdefault(prompt, []).append(sampling.max_tokens)
+        await asyncio.sleep(0.001 * sampling.max_tokens)
+        self.steps += sampling.max_tokens
+        self.tokens += sampling.max_tokens
+
+    async def stats(self) -> dict[str, Any]:
+        return {"engine": {"num_steps": self.steps, "num_generated_tokens": self.tokens}}
+
+
+def test_tune_spec_sends_a_steady_load_the_same_in_both_modes() -> None:
+    # Requests end and join a few at a time: lengths spread over +-50% of max_tokens,
+    # first requests cut anywhere in [2, 1.5 * max_tokens]; a seeded draw per client, so
+    # the off and on runs send each client the same lengths.
+    prompts = ["p0", "p1", "p2", "p3"]  # four clients: client i sends prompt i
+    runs = []
+    for _ in range(2):
+        client = CountingClient()
+        figures = asyncio.run(_run_batch(client, prompts, 4, 20))
+        runs.append(client.lengths)
+        assert figures["tokens"] > 0 and figures["wall_s"] > 0
+    low, high = round(20 * (1 - LENGTH_SPREAD)), round(20 * (1 + LENGTH_SPREAD))
+    for lengths in runs[0].values():
+        assert 2 <= lengths[0] <= high and all(low <= n <= high for n in lengths[1:])
+    every = [n for lengths in runs[0].values() for n in lengths]
+    assert len(set(every)) > 3  # not one length: the clients do not move in waves
+    for prompt in prompts:
+        done = min(len(runs[0][prompt]), len(runs[1][prompt]))
+        assert done >= 1 and runs[0][prompt][:done] == runs[1][prompt][:done]
+
 
 ENV = """# comment kept
 SPECD_MODEL=/srv/specd/models/target
