@@ -19,6 +19,15 @@ and whether a window holds a wave's prefill burst (and which mode it was) would 
 figure. A switch's transition (the step in flight, a drain with overlap scheduling) falls
 in the `settle_s` before a window, which is not counted. Per-request latencies stay with
 the points (a request here can span two modes).
+
+The modes of one cycle serve the same requests (common random numbers): at each switch
+every client restarts its sequence of prompts and lengths from a point that depends only on
+the cycle, so the windows of a cycle differ by the mode, not by which prompts they drew.
+Acceptance varies several-fold from prompt to prompt (batch 1 against transformers:
+1.8-5.7x by prompt), and with each client's own endless sequence a 3 s window at low
+concurrency held a handful of requests: on one VM the same code path read 0.70-1.23x of
+itself window by window (run 8a). A request in flight at a switch finishes in the next
+mode's settle time or window, as before.
 """
 
 from __future__ import annotations
@@ -113,6 +122,15 @@ def request_lengths(max_tokens: int, spread: float, rng: random.Random, first: b
     return rng.randint(low, high)
 
 
+def sequence_start(seed: int, cycle: int, client: int, concurrency: int
+                   ) -> tuple[int, random.Random]:
+    """Where client `client`'s requests start in `cycle` (0: the warm-up): the index of its
+    first prompt (it then steps by `concurrency`) and the generator of its lengths. The
+    same for every mode of a cycle, different from cycle to cycle."""
+    index = client + cycle * concurrency * 64  # past what a client sends in a window
+    return index, random.Random((seed * 1_000_003 + cycle) * 1_000_003 + client)
+
+
 def tokens_in(arrivals: list[tuple[float, int]], start: float, end: float) -> int:
     """Tokens of the arrivals (time, count) with start <= time < end."""
     return sum(n for t, n in arrivals if start <= t < end)
@@ -139,17 +157,23 @@ async def run_paired(client: BenchClient, prompts: list[str], sampling: Sampling
     errors: dict[str, int] = {}
     finished = 0
     stop = asyncio.Event()
+    # The clients' sequences restart at every switch (module docstring): switches counts
+    # them, cycle_of_switch is the cycle whose sequence they restart to (0: the warm-up).
+    switches, cycle_of_switch = 0, 0
 
     def on_tokens(now: float, count: int) -> None:
         arrivals.append((now, count))
 
     async def worker(first: int) -> None:
         nonlocal finished
-        index = first
-        rng = random.Random(config.seed * 1_000_003 + first)  # each client its own draws
+        seen = -1
         while not stop.is_set():
-            length = request_lengths(sampling.max_tokens, config.length_spread, rng,
-                                     index == first)
+            if seen != switches:  # a new window: this cycle's sequence, from its start
+                seen = switches
+                index, rng = sequence_start(config.seed, cycle_of_switch, first, concurrency)
+                cut = seen == 0  # the first request met mid-life (a steady start)
+            length = request_lengths(sampling.max_tokens, config.length_spread, rng, cut)
+            cut = False
             try:
                 await client.timed_request(prompts[index % len(prompts)],
                                            msgspec.structs.replace(sampling, max_tokens=length),
@@ -170,6 +194,7 @@ async def run_paired(client: BenchClient, prompts: list[str], sampling: Sampling
         for cycle in range(1, config.cycles + 1):
             for mode in round_order(modes, cycle):
                 await client.set_spec(mode)
+                switches, cycle_of_switch = switches + 1, cycle
                 await asyncio.sleep(config.settle_s)
                 before = await client.stats()
                 start = time.perf_counter()

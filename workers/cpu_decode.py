@@ -14,9 +14,10 @@ layer 0's K, layer 0's V, layer 1's K, ..., each [G, kv_heads, W, d] and contigu
 (decode: rows [0, G) of the kept copy of decode_stage.DecodeStage, W its capacity, the
 step's rows permuted into the copy's row order; verify: gathered from the paged cache),
 hist_ok [G, W] (True at positions before this step's tokens) and new_ok [G, T, T] (row i
-sees this step's key j: causal, or the draft tree's ancestors). It reads no cache and writes nothing: attention is over the history
-plus the step's own keys, and the new K/V come back [L, G * T, kv_heads, d] for the caller
-to store in the paged cache (and append to the kept copy). G and W are marked dynamic, so
+sees this step's key j: causal, or the draft tree's ancestors). It reads no cache and
+writes nothing: attention is over the history plus the step's own keys, and the new K/V
+come back [L, G * T, kv_heads, d] for the caller to store in the paged cache (and append to
+the kept copy). G and W are marked dynamic, so
 one compilation serves every batch size >= 2 and every length; batch size 1 and each T
 compile apart (decode and verify at batch 1 and above: four compilations, all in the
 warm-up).

@@ -1,9 +1,13 @@
 """The paired measurements' arithmetic (bench_paired) and how the targets read them: pure
-functions checked on hand-made windows and pairs."""
+functions checked on hand-made windows and pairs; the windows' requests against a stand-in
+client."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -13,11 +17,14 @@ from specd.daemon.bench_paired import (
     PairedRun,
     Window,
     request_lengths,
+    run_paired,
+    sequence_start,
     summarize_batch1_pairs,
     summarize_paired,
     tokens_in,
 )
 from specd.daemon.bench_report import check_targets
+from specd.ipc.sampling import SamplingParams
 
 
 def _run(figures: dict[str, list[int]], seconds: float = 2.0,
@@ -119,3 +126,59 @@ def test_paired_request_lengths_vary_around_max_tokens_and_first_ones_are_cut() 
     assert min(first) >= 2 and max(first) <= 192 and min(first) < 20
     assert {request_lengths(128, 0.0, rng, first=False) for _ in range(20)} == {128}
     assert request_lengths(2, 0.5, rng, first=False) >= 2
+
+
+class SwitchingClient:
+    """Stands in for the daemon in `run_paired`: each request takes 2 ms per token and
+    streams them in one frame; records, per mode switch, the (prompt, length) of every
+    request started after it."""
+
+    def __init__(self) -> None:
+        self.num_switches = 0
+        self.started: dict[int, list[tuple[str, int]]] = {}
+
+    async def set_spec(self, mode: str) -> str:
+        self.num_switches += 1
+        return mode
+
+    async def stats(self) -> dict[str, Any]:
+        return {}
+
+    async def timed_request(self, prompt: str, sampling: SamplingParams,
+                            on_tokens: Callable[[float, int], None] | None = None) -> None:
+        self.started.setdefault(self.num_switches, []).append((prompt, sampling.max_tokens))
+        await asyncio.sleep(0.002 * sampling.max_tokens)
+        if on_tokens is not None:
+            on_tokens(asyncio.get_running_loop().time(), sampling.max_tokens)
+
+
+def test_the_modes_of_a_cycle_serve_the_same_requests() -> None:
+    # Common random numbers: at each switch every client restarts at its cycle's point of
+    # the prompt and length sequence, so a cycle's windows differ only by the mode.
+    client = SwitchingClient()
+    config = PairedConfig(cycles=2, window_s=0.15, settle_s=0.02, warm_s=0.05)
+    prompts = [f"p{i}" for i in range(200)]
+    run = asyncio.run(run_paired(client, prompts, SamplingParams(max_tokens=8),
+                                 ["off", "on", "auto"], 2, config))
+    assert [(w.cycle, w.mode) for w in run.windows] == [
+        (1, "off"), (1, "on"), (1, "auto"), (2, "on"), (2, "auto"), (2, "off")]
+    def by_client(switch: int) -> list[list[tuple[str, int]]]:
+        """Each client's requests after a switch, in order (client = prompt index mod 2)."""
+        started = client.started[switch]
+        return [[r for r in started if int(r[0][1:]) % 2 == c] for c in (0, 1)]
+
+    # switch 1 is the warm-up's set_spec; switches 2-4 are cycle 1, 5-7 cycle 2
+    for switches in ((2, 3, 4), (5, 6, 7)):
+        for c in (0, 1):
+            runs = [by_client(k)[c] for k in switches]
+            assert all(len(r) >= 3 for r in runs)
+            assert runs[0][:3] == runs[1][:3] == runs[2][:3]
+    cycle_1, cycle_2 = (set(client.started[k]) for k in (2, 5))
+    assert not cycle_1 & cycle_2  # other prompts from cycle to cycle
+
+
+def test_a_cycles_sequence_start_depends_on_the_cycle_and_client_only() -> None:
+    index, rng = sequence_start(0, 3, 1, 4)
+    again_index, again_rng = sequence_start(0, 3, 1, 4)
+    assert index == again_index and rng.random() == again_rng.random()
+    assert sequence_start(0, 3, 2, 4)[0] != index and sequence_start(0, 4, 1, 4)[0] != index
