@@ -130,7 +130,7 @@ class DecodeStage:
         order[row_t] = torch.arange(g)
         return StagePlan(
             self, False, row_t, order, row_of == list(range(g)),
-            _pairs([(s, d) for s, d in moves]), _pairs([(b, row_of[b]) for b in newcomers]),
+            _pairs(moves), _pairs([(b, row_of[b]) for b in newcomers]),
             width, new_slots, positions)
 
     def _match(self, tables: list[list[int]], lens: list[int]) -> list[int] | None:
