@@ -5,7 +5,8 @@ The compiled steps and drafts give the eager engine's greedy output token for to
 (float32), with the draft head's aux rows kept for speculation, verify steps, arrivals, an
 abort and preemption; the attention they use matches SDPA for decode, chain and tree rows; a
 compilation that fails is logged with its traceback and the engine goes on eagerly.
-Compiling takes a while on two cores, so one compiled engine is built here.
+Compiling takes minutes on two cores: the tests that compile are marked `compile`, which
+the README's test command leaves out and CI runs after the rest (.ci/run).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def eager() -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.compile  # minutes of compiling on two cores
 def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[int]]) -> None:
     # Speculation auto by threshold: plain steps (compiled, their aux rows kept) and
     # speculative steps alternate; a tiny cache forces preemption.
@@ -51,6 +53,7 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     assert core.resolved.graphs.endswith("| draft loop compiled")
 
 
+@pytest.mark.compile  # minutes of compiling on two cores
 def test_compiled_verify_and_draft_loop_under_overlapped_speculation(
         eager: dict[str, list[int]]) -> None:
     # Overlap scheduling: verifies launched before the previous step is read (positions
