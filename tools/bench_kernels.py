@@ -60,7 +60,7 @@ def _gemm_operands(k: int, n: int, m: int) -> tuple[torch.Tensor, ...]:
     return x, weight, packed, scale
 
 
-def bench_gemm(k: int, n: int, m: int) -> dict[str, float]:
+def bench_gemm(k: int, n: int, m: int) -> dict[str, float | str]:
     """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
     checkpoint's K-contiguous layout passed as is."""
     from specd.kernels.common import device_num_sms

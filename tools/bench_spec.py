@@ -29,7 +29,8 @@ from specd.ipc.sampling import SamplingParams  # noqa: E402
 from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
 from specd.workers.engine import EngineCore  # noqa: E402
 
-SHAPES = {
+# EngineConfig keyword arguments per draft shape (Any: they are passed as **options)
+SHAPES: dict[str, dict[str, Any]] = {
     "chain3": {"spec_topk": 1, "spec_num_steps": 3},
     "chain5": {"spec_topk": 1, "spec_num_steps": 5},
     "tree": {"spec_topk": 4, "spec_num_steps": 5, "spec_num_draft_tokens": 10},
