@@ -34,10 +34,17 @@ class DaemonConfig:
 
     max_pending_requests: open generate requests across all clients; one more is answered
         `overloaded` at once.
-    idle_timeout_s: a connection that sends no frame for this long is closed (None: never).
+    max_connections: client connections at once; also the listen backlog, so a burst of
+        this many connects waits in the kernel's queue instead of being refused.
+    idle_timeout_s: a connection with no open request that sends no frame for this long is
+        closed (None: never). A connection whose requests are still running is not idle.
     frame_timeout_s: a frame whose first byte arrived must be complete within this.
-    write_buffer_bytes: output queued for a client that does not read; above it the
-        client's requests are aborted (`slow_reader`) and the connection closed.
+    write_buffer_bytes: output the front holds for a client that does not read (beyond
+        what the kernel's socket buffer took); when more than this is still unsent as the
+        next output comes, the client's requests are aborted (`slow_reader`) and the
+        connection closed. At most this much (plus one step's output) per connection.
+    operator_uid: besides root, the user whose connections may send control requests
+        (drain, stop, spec); None: the daemon's own user. Others get `forbidden`.
     drain_timeout_s: SIGTERM / `specctl drain` waits this long for in-flight requests.
     hang_timeout_s: a scheduler with work that sends no step output for this long is hung.
     startup_timeout_s: the scheduler must send Ready within this (load + warm-up).
@@ -52,9 +59,10 @@ class DaemonConfig:
     max_frame_bytes: int = 4 * 2**20
     max_connections: int = 1024
     max_pending_requests: int = 256
-    idle_timeout_s: float | None = None
+    idle_timeout_s: float | None = 300.0
     frame_timeout_s: float = 10.0
-    write_buffer_bytes: int = 8 * 2**20
+    write_buffer_bytes: int = 2**20
+    operator_uid: int | None = None
     drain_timeout_s: float = 30.0
     hang_timeout_s: float = 60.0
     startup_timeout_s: float = 1800.0
@@ -81,6 +89,14 @@ class DaemonConfig:
             raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.operator_uid is not None and not 0 <= self.operator_uid < 2**32:
+            raise ValueError(f"operator_uid must be a uid (>= 0), got {self.operator_uid}")
+
+    @property
+    def operator_uids(self) -> frozenset[int]:
+        """The peer uids whose control requests are obeyed: root and the operator."""
+        operator = os.geteuid() if self.operator_uid is None else self.operator_uid
+        return frozenset((0, operator))
 
     @property
     def socket_dir(self) -> Path:

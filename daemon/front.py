@@ -1,17 +1,16 @@
-"""The front process: client requests in, scheduler output out, and the daemon's lifecycle.
-
-States: starting (scheduler loading; generate answers `starting`) -> ready -> draining
-(no new requests; `shutting_down`) -> exit 0, or -> failed (scheduler died, hung, raised,
-or was built from other code) -> exit 75 / 78 after every open request got an error frame.
+"""The front process: client requests in, scheduler output out, and the daemon's lifecycle
+(its states: `lifecycle.State`).
 
 Everything runs on one asyncio (uvloop) thread; no handler awaits a client, so one client
-never delays another. No torch is imported here.
+never delays another, and long prompts are tokenized on a worker thread (`prompts.py`).
+A generate request is open (in the request table) from its arrival: while its prompt is
+tokenized, then in the scheduler until its last frame. Queries and control requests are
+answered by `control.Control`. No torch is imported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import signal
 import socket
@@ -20,45 +19,29 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
-import msgspec
-
-import specd
 from specd.daemon import provenance
 from specd.daemon.config import DaemonConfig
+from specd.daemon.control import Control
 from specd.daemon.detokenizer import IncrementalDetokenizer
 from specd.daemon.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
-from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle
+from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
 from specd.daemon.logs import log_event
+from specd.daemon.prompts import PromptEncoder, RequestError
 from specd.daemon.request_table import OpenRequest, RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
-from specd.daemon.server import Connection
-from specd.daemon.tokenizer import TemplateError, Tokenizer
+from specd.daemon.server import Connection, start_server
+from specd.daemon.tokenizer import Tokenizer
 from specd.ipc import messages as m
 from specd.ipc.framing import FrameCodec
+from specd.ipc.sampling import SamplingParams
 from specd.ipc.zmq_link import LinkSendError
 
 log = logging.getLogger("specd.front")
 
 TICK_S = 0.1
-QUERY_TIMEOUT_S = 5.0
 EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
 STACK_DUMP_WAIT_S = 0.5
 SHUTDOWN_WAIT_S = 5.0
-
-
-class State(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-
-
-class RequestError(Exception):
-    """A generate request refused before it reached the scheduler."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Front:
@@ -69,6 +52,7 @@ class Front:
         self.config = config
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
+        self.prompts = PromptEncoder(tokenizer, config)
         self.listener = listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
             m.ClientMessage, config.max_frame_bytes)
@@ -88,8 +72,7 @@ class Front:
         self.counters: Counter[str] = Counter()
         self._next_connection_id = 0
         self._next_request_number = 0
-        self._next_query_id = 0
-        self._queries: dict[int, asyncio.Future[m.QueryReply]] = {}
+        self.control = Control(self)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
         self._done = asyncio.Event()
@@ -103,7 +86,7 @@ class Front:
     async def run(self) -> int:
         """Serve until drained or failed; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        server = await asyncio.start_unix_server(self._on_connection, sock=self.listener)
+        server = await start_server(self._on_connection, self.listener, self.config)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         self.scheduler.watch_exit(self._on_scheduler_exit)
@@ -116,6 +99,7 @@ class Front:
         await asyncio.sleep(0.05)  # let the transports flush their last frames
         for task in background + list(self._tasks):
             task.cancel()
+        self.prompts.close()
         self.scheduler.close()
         return self.exit_code if self.exit_code is not None else EXIT_SOFTWARE
 
@@ -124,7 +108,8 @@ class Front:
             self.exit_code = code
         self._done.set()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task, cancelled when the front exits."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -155,10 +140,11 @@ class Front:
             return
         if self.state is State.FAILED:
             return
-        is_stalled = len(self.table) > 0 and now - self.last_progress > self.config.hang_timeout_s
+        is_stalled = (self.table.num_submitted > 0
+                      and now - self.last_progress > self.config.hang_timeout_s)
         if is_stalled and not self.is_hung:
             self.is_hung = True
-            self._spawn(self._on_hang(now - self.last_progress))
+            self.spawn(self._on_hang(now - self.last_progress))
         interval = self.lifecycle.watchdog_interval
         if interval is not None and now - self.last_watchdog >= interval:
             self.last_watchdog = now
@@ -177,9 +163,9 @@ class Front:
         log_event(log, logging.INFO, "drain", f"draining: {reason}",
                   open_requests=len(self.table), timeout_s=timeout_s)
         if not was_ready:
-            self._spawn(self._stop_scheduler(graceful=False))
+            self.spawn(self._stop_scheduler(graceful=False))
         elif not self.table:
-            self._spawn(self._stop_scheduler(graceful=True))
+            self.spawn(self._stop_scheduler(graceful=True))
         else:
             self._drain_timer = asyncio.get_running_loop().call_later(
                 timeout_s, self._drain_expired)
@@ -198,7 +184,7 @@ class Front:
         if self.state is State.DRAINING and not self.table and not self.is_stopping:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
-            self._spawn(self._stop_scheduler(graceful=True))
+            self.spawn(self._stop_scheduler(graceful=True))
 
     async def _stop_scheduler(self, graceful: bool) -> None:
         self.is_stopping = True
@@ -269,9 +255,7 @@ class Front:
             for delta in message.deltas:
                 self._on_delta(delta)
         elif isinstance(message, m.QueryReply):
-            future = self._queries.pop(message.query_id, None)
-            if future is not None and not future.done():
-                future.set_result(message)
+            self.control.on_reply(message)
         elif isinstance(message, m.RequestRejected):
             request = self.table.get(message.request_id)
             if request is not None:
@@ -370,9 +354,9 @@ class Front:
                              writer: asyncio.StreamWriter) -> None:
         self._next_connection_id += 1
         connection = Connection(self._next_connection_id, reader, writer, self.codec,
-                                self.config)
+                                self.config, self.counters)
         if len(self.connections) >= self.config.max_connections:
-            connection.send(m.Error(None, "overloaded", "too many connections"))
+            connection.reject(None, "overloaded", "too many connections")
             connection.close("too many connections")
             return
         self.connections[connection.connection_id] = connection
@@ -391,6 +375,12 @@ class Front:
                       request_ids=ids)
             self._check_drained()
 
+    def has_open_requests(self, connection: Connection) -> bool:
+        return bool(self.table.of_connection(connection.connection_id))
+
+    def on_large_frame(self) -> None:
+        self.prompts.release_memory_soon()
+
     def on_message(self, connection: Connection, message: m.ClientMessage) -> None:
         try:
             self._dispatch(connection, message)
@@ -398,7 +388,7 @@ class Front:
             log.exception("internal error handling %s", type(message).__name__,
                           extra={"event": "internal_error",
                                  "connection": connection.connection_id})
-            connection.send(m.Error(message.id, "internal_error", "internal error; see the log"))
+            connection.reject(message.id, "internal_error", "internal error; see the log")
             connection.close("internal error")
 
     def _dispatch(self, connection: Connection, message: m.ClientMessage) -> None:
@@ -406,29 +396,15 @@ class Front:
             try:
                 self._admit(connection, message)
             except RequestError as exc:
-                self.counters[f"error_{exc.code}"] += 1
-                connection.send(m.Error(message.id, exc.code, str(exc)))
+                connection.reject(message.id, exc.code, str(exc))
         elif isinstance(message, m.Abort):
             self._on_abort(connection, message)
-        elif isinstance(message, m.StatusQuery):
-            self._spawn(self._guarded(connection, message.id,
-                                      self._reply_status(connection, message.id)))
-        elif isinstance(message, m.StatsQuery):
-            self._spawn(self._guarded(connection, message.id,
-                                      self._reply_stats(connection, message.id)))
-        elif isinstance(message, m.SetSpec):
-            self._spawn(self._guarded(connection, message.id, self._set_spec(connection, message)))
-        elif isinstance(message, m.Drain):
-            timeout = message.timeout_s
-            if timeout is None:
-                timeout = self.config.drain_timeout_s
-            connection.send(m.Ack(message.id, f"draining {len(self.table)} requests"))
-            self.begin_drain(timeout, "drain requested by a client")
-        elif isinstance(message, m.Stop):
-            connection.send(m.Ack(message.id, f"stopping; ending {len(self.table)} requests"))
-            self.begin_drain(0.0, "stop requested by a client")
+        else:
+            self.control.handle(connection, message)
 
     def _admit(self, connection: Connection, message: m.Generate) -> None:
+        """Open the request, or raise RequestError; its prompt is tokenized here when
+        short, else on the worker thread while the request waits in the table."""
         if self.state is State.STARTING:
             raise RequestError("starting", f"the scheduler is starting ({self.scheduler_stage})")
         if self.state is State.DRAINING:
@@ -439,52 +415,62 @@ class Front:
             raise RequestError("duplicate_id", f"request id {message.id} is already in flight")
         if len(self.table) >= self.config.max_pending_requests:
             raise RequestError("overloaded", f"{len(self.table)} requests open; retry later")
-        self._check_stop_strings(message.sampling.stop)
-        prompt_ids = self._prompt_ids(message)
-        max_model_len = int(self.ready.resolved["max_model_len"])
-        if len(prompt_ids) >= max_model_len:
-            raise RequestError("prompt_too_long", f"prompt has {len(prompt_ids)} tokens; "
-                               f"this model allows at most {max_model_len - 1}")
+        prompt = self.prompts.prepare(message, self._max_model_len())
         self._next_request_number += 1
-        request_id = f"r{self._next_request_number}"
-        try:
-            self.scheduler.send(m.AddRequest(request_id, prompt_ids, message.sampling))
-        except LinkSendError as exc:
-            raise RequestError("overloaded", f"the scheduler's queue is full: {exc}") from exc
-        if not self.table:
-            self.last_progress = time.monotonic()  # idle time is not a stall
         request = OpenRequest(
-            request_id, message.id, connection,
+            f"r{self._next_request_number}", message.id, connection,
             IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
-            message.stream, len(prompt_ids), message.sampling.logprobs > 0)
+            message.stream, 0, message.sampling.logprobs > 0)
         self.table.add(request)
         if message.deadline_s is not None:
             request.deadline = asyncio.get_running_loop().call_later(
                 message.deadline_s, self._on_deadline, request, message.deadline_s)
-
-    def _check_stop_strings(self, stop: tuple[str, ...]) -> None:
-        if len(stop) > self.config.max_stop_strings:
-            raise RequestError("bad_request", f"{len(stop)} stop strings; at most "
-                               f"{self.config.max_stop_strings} allowed")
-        if any(len(s) > self.config.max_stop_chars for s in stop):
-            raise RequestError("bad_request", f"a stop string is longer than "
-                               f"{self.config.max_stop_chars} characters")
-
-    def _prompt_ids(self, message: m.Generate) -> list[int]:
-        if message.prompt_token_ids is not None:
-            return message.prompt_token_ids
-        if message.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    [msgspec.structs.asdict(x) for x in message.messages])
-            except TemplateError as exc:
-                raise RequestError("bad_request", f"chat template: {exc}") from exc
+        if isinstance(prompt, list):
+            self._submit(request, prompt, message.sampling)
         else:
-            text = message.prompt or ""
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise RequestError("bad_request", "the prompt encodes to no tokens")
-        return ids
+            self.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
+
+    def _max_model_len(self) -> int:
+        assert self.ready is not None  # admission checked it
+        return int(self.ready.resolved["max_model_len"])
+
+    async def _tokenize_and_submit(self, request: OpenRequest, text: str,
+                                   sampling: SamplingParams) -> None:
+        try:
+            prompt_ids = await self.prompts.encode_off_loop(text)
+        except Exception as exc:  # noqa: BLE001 - ends this request; the log has the rest
+            log.exception("tokenizing request %s failed", request.request_id,
+                          extra={"event": "internal_error"})
+            if self.table.get(request.request_id) is request:
+                self._end_with_error(request, "internal_error", f"tokenizing failed: {exc!r}",
+                                     abort=False)
+            return
+        if self.table.get(request.request_id) is request:  # else aborted or ended meanwhile
+            self._submit(request, prompt_ids, sampling)
+
+    def _submit(self, request: OpenRequest, prompt_ids: list[int],
+                sampling: SamplingParams) -> None:
+        """Send an open request to the scheduler, or end it with the reason it cannot go."""
+        max_model_len = self._max_model_len()
+        if not prompt_ids:
+            self._end_with_error(request, "bad_request", "the prompt encodes to no tokens",
+                                 abort=False)
+            return
+        if len(prompt_ids) >= max_model_len:
+            self._end_with_error(request, "prompt_too_long", f"prompt has {len(prompt_ids)} "
+                                 f"tokens; this model allows at most {max_model_len - 1}",
+                                 abort=False)
+            return
+        try:
+            self.scheduler.send(m.AddRequest(request.request_id, prompt_ids, sampling))
+        except LinkSendError as exc:
+            self._end_with_error(request, "overloaded", f"the scheduler's queue is full: "
+                                 f"{exc}", abort=False)
+            return
+        if self.table.num_submitted == 0:
+            self.last_progress = time.monotonic()  # idle time is not a stall
+        request.num_prompt_tokens = len(prompt_ids)
+        self.table.mark_submitted(request)
 
     def _on_deadline(self, request: OpenRequest, deadline_s: float) -> None:
         if self.table.get(request.request_id) is request:
@@ -494,94 +480,10 @@ class Front:
     def _on_abort(self, connection: Connection, message: m.Abort) -> None:
         request = self.table.find(connection.connection_id, message.target)
         if request is None:
-            connection.send(m.Error(message.id, "not_found",
-                                    f"no request {message.target} in flight"))
+            connection.reject(message.id, "not_found", f"no request {message.target} in flight")
             return
         self._abort_in_scheduler([request.request_id])
         delta = m.TokenDelta(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens)
         self._finish(request, "abort", delta)
         connection.send(m.Ack(message.id, f"aborted {message.target}"))
-
-    async def _guarded(self, connection: Connection, client_id: int,
-                       coro: Coroutine[Any, Any, None]) -> None:
-        """Run a query handler; a bug in it answers internal_error instead of vanishing."""
-        try:
-            await coro
-        except Exception:  # noqa: BLE001 - reported to the client and the log
-            log.exception("internal error answering request %d", client_id,
-                          extra={"event": "internal_error",
-                                 "connection": connection.connection_id})
-            connection.send(m.Error(client_id, "internal_error", "internal error; see the log"))
-
-    # ---- queries -----------------------------------------------------------------------
-
-    async def _query(self, make: Any) -> m.QueryReply:
-        """Send `make(query_id)` to the scheduler and wait for its QueryReply."""
-        self._next_query_id += 1
-        query_id = self._next_query_id
-        future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
-        self._queries[query_id] = future
-        try:
-            self.scheduler.send(make(query_id))
-            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
-        finally:
-            self._queries.pop(query_id, None)
-
-    async def _engine_stats(self) -> dict[str, Any]:
-        if self.state is not State.READY:
-            return {}
-        try:
-            reply = await self._query(lambda q: m.QueryStats(q))
-        except (TimeoutError, LinkSendError) as exc:
-            return {"error": f"the scheduler did not answer: {exc!r}"}
-        return reply.result
-
-    async def _reply_status(self, connection: Connection, query_id: int) -> None:
-        engine = await self._engine_stats()
-        ready = self.ready
-        connection.send(m.StatusReply(
-            id=query_id,
-            state=self.state.value,
-            protocol=m.PROTOCOL_VERSION,
-            version=specd.__version__,
-            uptime_s=time.monotonic() - self.started,
-            model=str(ready.resolved.get("model_name")) if ready else str(
-                self.config.engine.model_path),
-            num_open_requests=len(self.table),
-            num_connections=len(self.connections),
-            resolved=ready.resolved if ready else {"stage": self.scheduler_stage},
-            engine=engine,
-            provenance={
-                "front": provenance.report(),
-                "scheduler": {} if ready is None else {
-                    "code_version": ready.code_version, "pid": ready.pid,
-                    "modules": ready.modules, "packages": ready.packages},
-            },
-            config=msgspec.to_builtins(self.config, enc_hook=str),
-        ))
-
-    async def _reply_stats(self, connection: Connection, query_id: int) -> None:
-        engine = await self._engine_stats()
-        stats = {"engine": engine, "front": dict(self.counters),
-                 "open_requests": len(self.table), "connections": len(self.connections)}
-        connection.send(m.StatsReply(query_id, stats))
-
-    async def _set_spec(self, connection: Connection, message: m.SetSpec) -> None:
-        if self.state is not State.READY:
-            connection.send(m.Error(message.id, self.state.value if self.state is State.STARTING
-                                    else "shutting_down", "the scheduler is not serving"))
-            return
-        try:
-            reply = await self._query(
-                lambda q: m.SetSpecMode(q, message.mode, message.threshold))
-        except (TimeoutError, LinkSendError) as exc:
-            connection.send(m.Error(message.id, "scheduler_unavailable", repr(exc)))
-            return
-        if reply.error is not None:
-            connection.send(m.Error(message.id, "bad_request", reply.error))
-            return
-        log_event(log, logging.INFO, "spec_mode", f"speculation set to {message.mode}",
-                  threshold=message.threshold)
-        connection.send(m.Ack(message.id, f"speculation {message.mode}"
-                              + (f" threshold {message.threshold}" if message.threshold else "")))

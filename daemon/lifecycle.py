@@ -1,4 +1,9 @@
-"""Every sd_notify call the front makes, in one place (the service manager's view of us).
+"""The front's states, and every sd_notify call it makes, in one place (the service
+manager's view of us).
+
+States: starting (scheduler loading; generate answers `starting`) -> ready -> draining
+(no new requests; `shutting_down`) -> exit 0, or -> failed (scheduler died, hung, raised,
+or was built from other code) -> exit 75 / 78 after every open request got an error frame.
 
 Sequence under `Type=notify`: STATUS at each start-up stage with EXTEND_TIMEOUT while the
 scheduler loads and warms up; READY=1 once, after Ready arrived and was accepted; WATCHDOG=1
@@ -8,9 +13,18 @@ when a drain begins; a last STATUS naming the failure before a failing exit.
 
 from __future__ import annotations
 
+import enum
+
 from specd.daemon.sdnotify import Notifier
 
 STARTUP_EXTEND_S = 60.0  # each extension covers this much; sent every STARTUP_EXTEND_S / 3
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
 
 
 class Lifecycle:

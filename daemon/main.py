@@ -7,6 +7,9 @@ fixture model on the CPU.
 
 Exit codes: 0 clean stop (drain), 78 bad configuration or a model that cannot load,
 75 the scheduler died or hung (a service manager should restart), 70 a bug in the front.
+A command line the daemon cannot use (a misspelled option, a malformed value) is a bad
+configuration too: one line on stderr and 78, never click's usage exit 2, which the unit's
+`Restart=on-failure` would retry forever.
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ ENGINE_HELP = {
                    "torch.compile (inductor): "
                    "faster small batches; the warm-up compiles each kind at batch size 1 "
                    "and above (minutes on two cores; inductor caches the code on disk).",
-    "extra": "KEY=VALUE engine option for experiments (repeatable).",
 }
+# EngineConfig fields that are not options: `extra` is read by nothing.
+NOT_OPTIONS = frozenset({"extra"})
 DAEMON_HELP = {
     "socket_path": "Unix socket to listen on (ignored under socket activation); default "
                    "$XDG_RUNTIME_DIR/specd/specd.sock, /run/specd/specd.sock for root.",
@@ -77,11 +81,16 @@ DAEMON_HELP = {
     "log_format": f"log records as {LOG_FORMATS[0]} lines or {LOG_FORMATS[1]}.",
     "log_level": f"least severe level logged: one of {LOG_LEVELS}.",
     "max_frame_bytes": "largest client frame accepted, in bytes.",
-    "max_connections": "most client connections at once.",
+    "max_connections": "most client connections at once; also the listen backlog (the "
+                       "kernel caps it at net.core.somaxconn).",
     "max_pending_requests": "most open generate requests; more are answered 'overloaded'.",
-    "idle_timeout_s": "close a connection that sends nothing for this long (seconds).",
+    "idle_timeout_s": "close a connection with no open request that sends nothing for this "
+                      "long (seconds; none: never).",
     "frame_timeout_s": "a started frame must complete within this (seconds).",
-    "write_buffer_bytes": "unread output per client before it is cut off (slow reader).",
+    "write_buffer_bytes": "output held for a client that does not read, in bytes; past it "
+                          "the client is cut off (slow_reader).",
+    "operator_uid": "besides root, the uid allowed to send drain, stop and spec; default: "
+                    "the daemon's own uid.",
     "drain_timeout_s": "on SIGTERM or drain, how long open requests may still run.",
     "hang_timeout_s": "a scheduler with work and no step for this long is hung: its "
                       "stacks are logged, it is killed, the daemon exits 75.",
@@ -100,6 +109,23 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+class _NumberOrNone(click.ParamType):
+    """An int or float option whose field also takes None, spelled `none`."""
+
+    def __init__(self, base: type[int] | type[float]) -> None:
+        self.base = base
+        self.name = f"{base.__name__}|none"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.lower() == "none":
+            return "none"  # build_config turns it into None
+        try:
+            return self.base(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not {self.base.__name__} or none", param, ctx)
+
+
 def _option(name: str, annotation: Any, default: Any, help_text: str) -> Any:
     flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
     base, optional = _base_type(annotation)
@@ -107,14 +133,14 @@ def _option(name: str, annotation: Any, default: Any, help_text: str) -> Any:
     if base is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None,
                             help=help_text + shown)
-    if typing.get_origin(base) is dict:
-        return click.option(flag, name, multiple=True, metavar="KEY=VALUE", help=help_text)
     if name == "socket_mode":
         return click.option(flag, name, default=None, metavar="OCTAL", help=help_text
                             + f" [default: {default:o}]")
     click_type, metavar = {int: (int, "INTEGER"), float: (float, "SECONDS"),
                            Path: (click.Path(path_type=Path), "PATH")}.get(base, (str, "TEXT"))
-    if optional and base is str:
+    if optional and base in (int, float):
+        click_type = _NumberOrNone(base)
+    if optional:
         metavar += "|none"
     return click.option(flag, name, type=click_type, default=None, metavar=metavar,
                         help=help_text + shown)
@@ -130,7 +156,7 @@ def _add_options(command: Any) -> Any:
         hints = typing.get_type_hints(cls)
         defaults = _defaults(cls)
         for field in reversed(dataclasses.fields(cls)):
-            if field.name == "engine":
+            if field.name == "engine" or field.name in NOT_OPTIONS:
                 continue
             help_text = table.get(field.name, f"{cls.__name__}.{field.name}")
             command = _option(field.name, hints[field.name], defaults[field.name],
@@ -144,23 +170,14 @@ def build_config(options: dict[str, Any]) -> DaemonConfig:
     engine: dict[str, Any] = {}
     daemon: dict[str, Any] = {}
     for name, value in options.items():
-        if value is None or value == ():
+        if value is None:
             continue
-        if name == "extra":
-            value = dict(_key_value(v) for v in value)
-        elif name == "socket_mode":
+        if name == "socket_mode":
             value = _octal(value)
         elif isinstance(value, str) and value.lower() == "none":
             value = None
         (engine if name in engine_names else daemon)[name] = value
     return DaemonConfig(engine=EngineConfig(**engine), **daemon)
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"--extra expects KEY=VALUE, got {text!r}")
-    return key, value
 
 
 def _octal(text: str) -> int:
@@ -186,7 +203,8 @@ def run_daemon(config: DaemonConfig) -> int:
         owns_path = listener is None
         if listener is None:
             config.socket_dir.mkdir(parents=True, exist_ok=True)
-            listener = bind_unix_socket(str(config.socket_path), config.socket_mode)
+            listener = bind_unix_socket(str(config.socket_path), config.socket_mode,
+                                        backlog=config.max_connections)
     except (OSError, ValueError, SocketInUseError) as exc:
         return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
 
@@ -222,7 +240,28 @@ def _config_failure(lifecycle: Lifecycle, cause: str,
     return EXIT_CONFIG
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"],
+class ConfigUsageError(click.ClickException):
+    """A command line the daemon cannot use: one line on stderr, exit 78."""
+
+    exit_code = EXIT_CONFIG
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"specd: invalid configuration: {self.format_message()}", err=True)
+
+
+class _DaemonCommand(click.Command):
+    """Reports click's usage errors (unknown option, malformed value, stray argument) as
+    configuration errors: exit 78, which the unit does not restart."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise ConfigUsageError(exc.format_message()) from exc
+
+
+@click.command(cls=_DaemonCommand,
+               context_settings={"help_option_names": ["-h", "--help"],
                                  "max_content_width": 100})
 @_add_options
 def main(**options: Any) -> None:

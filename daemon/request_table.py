@@ -1,8 +1,9 @@
 """The front's table of open generate requests, by scheduler request id and by connection.
 
-A request is open from the moment its AddRequest is sent until its Final or Error frame is
-written; the scheduler may still send output for a request after it left the table (an abort
-crosses a step in flight), and such output is dropped.
+A request is open from the moment it is admitted (its prompt may still be tokenizing) until
+its Final or Error frame is written; it is *submitted* once its AddRequest was sent. The
+scheduler may still send output for a request after it left the table (an abort crosses a
+step in flight), and such output is dropped.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ class OpenRequest:
         self.unsent_logprobs: list[m.Logprob] = []
         self.num_output_tokens = 0
         self.num_sampling_steps = 0  # steps that gave this request tokens (acceptance length)
+        self.is_submitted = False  # its AddRequest was sent (see RequestTable.mark_submitted)
 
 
 class RequestTable:
-    """Open requests; `len()` is what admission control counts."""
+    """Open requests; `len()` is what admission control counts, `num_submitted` those the
+    scheduler has (what the hang watchdog waits on)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, OpenRequest] = {}
         self._by_peer: dict[int, dict[int, OpenRequest]] = {}
+        self.num_submitted = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -64,6 +68,13 @@ class RequestTable:
             raise ValueError(f"request id {request.request_id} is already open")
         self._by_id[request.request_id] = request
         self._by_peer.setdefault(request.peer.connection_id, {})[request.client_id] = request
+
+    def mark_submitted(self, request: OpenRequest) -> None:
+        """`request` (open, not yet submitted) was sent to the scheduler."""
+        if self._by_id.get(request.request_id) is not request or request.is_submitted:
+            raise ValueError(f"request {request.request_id} is not open and unsubmitted")
+        request.is_submitted = True
+        self.num_submitted += 1
 
     def get(self, request_id: str) -> OpenRequest | None:
         return self._by_id.get(request_id)
@@ -78,6 +89,8 @@ class RequestTable:
         """Forget `request` (idempotent) and cancel its deadline timer."""
         if self._by_id.pop(request.request_id, None) is None:
             return
+        if request.is_submitted:
+            self.num_submitted -= 1
         peer_requests = self._by_peer.get(request.peer.connection_id, {})
         peer_requests.pop(request.client_id, None)
         if not peer_requests:

@@ -1,6 +1,7 @@
 """The front's side of the scheduler: the child process and the link to it.
 
-Constructing a `SchedulerHandle` makes the private link directory (0700), binds both
+Constructing a `SchedulerHandle` removes the link directories of fronts that died without
+cleaning up (`kill -9`), makes its own private link directory (0700), binds both
 ZeroMQ sockets and starts `python -P -m specd.workers.scheduler_process`. The child gets
 the front's environment minus systemd's service variables, and dies with the front
 (PR_SET_PDEATHSIG, armed in the child). Its exit is seen at once through a pidfd on the
@@ -10,12 +11,12 @@ event loop (SIGKILL, segfault and the OOM killer included), not by polling.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from specd.daemon.logs import log_event
 from specd.daemon.sdnotify import child_environ
 from specd.ipc.messages import FromScheduler, ToScheduler
-from specd.ipc.zmq_link import LinkPaths, TypedSocket
+from specd.ipc.zmq_link import LinkPaths, TypedSocket, remove_stale_links
 from specd.workers.config import EngineConfig
+
+log = logging.getLogger("specd.front")
 
 
 class SchedulerHandle:
@@ -36,7 +40,8 @@ class SchedulerHandle:
     def __init__(self, engine: EngineConfig, runtime_base_dir: Path, log_format: str,
                  log_level: str) -> None:
         runtime_base_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = LinkPaths(Path(tempfile.mkdtemp(prefix="link-", dir=runtime_base_dir)))
+        _remove_stale_links(runtime_base_dir)
+        self.paths = LinkPaths.create(runtime_base_dir)
         self._context = zmq.asyncio.Context()
         # Sends are non-blocking on a plain socket; receives are awaited on an asyncio one.
         self._sync_context: zmq.Context[Any] = zmq.Context.shadow(self._context.underlying)
@@ -108,3 +113,15 @@ class SchedulerHandle:
         self._receiver.close()
         self._context.term()
         shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
+
+
+def _remove_stale_links(base_dir: Path) -> None:
+    """Remove dead fronts' link directories; one that cannot be removed is logged, and
+    does not keep this daemon from starting."""
+    removed, failed = remove_stale_links(base_dir)
+    for path in removed:
+        log_event(log, logging.INFO, "stale_link_removed",
+                  f"removed {path}: its front process is gone", path=str(path))
+    for path, exc in failed:
+        log_event(log, logging.WARNING, "stale_link_kept",
+                  f"cannot remove {path}, whose front process is gone: {exc}", path=str(path))

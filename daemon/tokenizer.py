@@ -19,6 +19,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from specd.daemon.token_bound import bytes_per_token_bound
+
 Message = Mapping[str, Any]
 
 
@@ -52,10 +54,16 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """Encode text, decode ids, render chat messages. Immutable after construction."""
+    """Encode text, decode ids, render chat messages. Immutable after construction.
+
+    `max_bytes_per_token`: the most UTF-8 bytes of prompt text one token can stand for
+    (`token_bound`), or None when this tokenizer has no such bound; `bound_reason` says how
+    it was found or why there is none.
+    """
 
     def __init__(
-        self, backend: HFTokenizer, config: Mapping[str, Any], eos_token_ids: tuple[int, ...]
+        self, backend: HFTokenizer, config: Mapping[str, Any], eos_token_ids: tuple[int, ...],
+        max_bytes_per_token: int | None = None, bound_reason: str = "not analysed",
     ) -> None:
         self._backend = backend
         self._config = dict(config)
@@ -68,22 +76,45 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template_source: str | None = template if isinstance(template, str) else None
+        self.max_bytes_per_token = max_bytes_per_token
+        self.bound_reason = bound_reason
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`)."""
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`).
+
+        Raises OSError for a missing or unreadable file and ValueError for one that does
+        not parse, naming the file.
+        """
         root = Path(path)
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model directory")
-        backend = HFTokenizer.from_file(str(tok_file))
+        text = _read_text(tok_file)
+        spec = _parse_json(text, tok_file)
+        try:
+            backend = HFTokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ValueError(f"{tok_file}: not a tokenizer the `tokenizers` library can "
+                             f"load: {exc}") from exc
+        # The front counts a prompt's real tokens: a tokenizer.json that truncates or pads
+        # would hide a prompt that is too long, or add tokens nobody sent.
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(root / "tokenizer_config.json")
         eos_ids = _eos_ids(root, backend, _token_text(config.get("eos_token")))
-        return cls(backend, config, eos_ids)
+        bound, reason = bytes_per_token_bound(spec)
+        return cls(backend, config, eos_ids, bound, reason)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (with the BOS token first when the model asks for it)."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text` (with the BOS token first when the model asks for it).
+
+        Releases the GIL while it tokenizes (the batch entry point of `tokenizers` does;
+        the single-text `encode` does not), so a large prompt can be tokenized on a worker
+        thread while the front's event loop runs on.
+        """
+        encoding = self._backend.encode_batch_fast([text], add_special_tokens=False)[0]
+        ids: list[int] = encoding.ids
         if self.add_bos_token and self.bos_token is not None:
             bos = self._backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
@@ -118,9 +149,25 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file); ValueError naming the
+    file when it is not a JSON object."""
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    return _parse_json(_read_text(path), path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8: {exc}") from exc
+
+
+def _parse_json(text: str, path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data

@@ -10,7 +10,8 @@ Every error frame raises the `SpecdError` subclass for its code (`Overloaded`,
 `PromptTooLong`, ...); a daemon that cannot be reached raises `DaemonUnavailable`, one
 that does not answer within `timeout` seconds raises `ClientTimeout`. `Client` runs one
 request at a time; `AsyncClient` multiplexes any number over one connection. Leaving a
-`stream()` early aborts the request in the daemon.
+`stream()` early aborts the request in the daemon. A connection the daemon closed while
+no request was in flight (its idle timeout) is opened again for the next request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import collections
 import contextlib
 import itertools
 import os
+import select
 import socket
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
@@ -136,6 +138,12 @@ class NotFound(SpecdError):
     code = "not_found"
 
 
+class Forbidden(SpecdError):
+    """A control request (drain, stop, spec) from a user who is not an operator."""
+
+    code = "forbidden"
+
+
 class InternalError(SpecdError):
     """A bug in the daemon; see its log."""
 
@@ -145,7 +153,7 @@ class InternalError(SpecdError):
 ERRORS: dict[str, type[SpecdError]] = {
     cls.code: cls for cls in (BadFrame, BadRequest, PromptTooLong, Overloaded, Starting,
                               ShuttingDown, SchedulerUnavailable, DeadlineExceeded, Drained,
-                              SlowReader, DuplicateId, NotFound, InternalError)}
+                              SlowReader, DuplicateId, NotFound, Forbidden, InternalError)}
 
 
 class DaemonUnavailable(SpecdError):
@@ -282,6 +290,37 @@ class Client:
     def next_id(self) -> int:
         return next(self._ids)
 
+    def _send_request(self, message: Any) -> None:
+        """Send a new request, on a new connection if the daemon closed an idle one."""
+        if self._was_closed_while_idle():
+            self._sock.close()
+            self._received.clear()
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self._sock.settimeout(self.timeout)
+            try:
+                self._sock.connect(str(self.socket_path))
+            except OSError as exc:
+                raise DaemonUnavailable(f"cannot reconnect to {self.socket_path}: {exc}") from exc
+        self.send(message)
+
+    def _was_closed_while_idle(self) -> bool:
+        """Whether all that waits on the socket is its end, after connection errors only."""
+        if self._received or self._partial:
+            return False
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        if not readable:
+            return False  # nothing waiting: the connection is open
+        try:
+            data = self._sock.recv(RECV_CHUNK_BYTES, socket.MSG_PEEK)
+        except OSError:
+            return True
+        try:
+            bodies, rest = self._codec.split(data)
+            replies = [self._codec.decode(body) for body in bodies]
+        except (FrameError, msgspec.DecodeError):
+            return False  # not the daemon's farewell: `receive` reports it
+        return not rest and all(isinstance(r, m.Error) and r.id is None for r in replies)
+
     def send(self, message: Any) -> None:
         try:
             self._sock.sendall(self._codec.encode(message))
@@ -306,7 +345,7 @@ class Client:
             raise ProtocolError(f"undecodable frame: {exc}") from exc
 
     def _call(self, message: Any) -> m.ServerMessage:
-        self.send(message)
+        self._send_request(message)
         reply = self.receive()
         if isinstance(reply, m.Error):
             raise error_from_frame(reply)
@@ -319,7 +358,7 @@ class Client:
         """Generate to the end and return the whole result (one Final frame)."""
         request = make_generate(next(self._ids), prompt, messages, prompt_token_ids, sampling,
                                 False, deadline_s, sampling_options)
-        self.send(request)
+        self._send_request(request)
         collector = _Collector()
         while True:
             reply = self.receive()
@@ -337,7 +376,7 @@ class Client:
         """Start a streaming request; iterate the returned `Stream` for deltas."""
         request = make_generate(next(self._ids), prompt, messages, prompt_token_ids, sampling,
                                 True, deadline_s, sampling_options)
-        self.send(request)
+        self._send_request(request)
         return Stream(self, request.id)
 
     def status(self) -> m.StatusReply:
@@ -476,6 +515,10 @@ class AsyncClient:
     async def _send(self, message: Any) -> asyncio.Queue[m.ServerMessage | SpecdError]:
         if self._writer is None:
             raise DaemonUnavailable("not connected; use `async with` or await open()")
+        if self._read_task is not None and self._read_task.done() and not self._inboxes:
+            # The daemon closed the connection with nothing in flight (its idle timeout).
+            await self.close()
+            await self.open()
         inbox: asyncio.Queue[m.ServerMessage | SpecdError] = asyncio.Queue()
         self._inboxes[message.id] = inbox
         self._writer.write(self._codec.encode(message))

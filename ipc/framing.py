@@ -11,7 +11,8 @@ Two kinds of failure, handled differently by the server:
   `bad_frame` and close.
 * `msgspec.DecodeError` (and its subclass `ValidationError`) from `FrameCodec.decode`: the
   frame boundary is intact but the body is not a valid message: reply `bad_request`, keep
-  the connection.
+  the connection. A body nested deeper than the decoder's recursion bound is one of these
+  too (`NestingTooDeep`), never a RecursionError escaping to the caller.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ T = TypeVar("T")
 
 class FrameError(Exception):
     """The frame layer is broken: bad length, truncated frame or a body that timed out."""
+
+
+class NestingTooDeep(msgspec.DecodeError):
+    """The body nests arrays or maps deeper than the decoder's recursion bound.
+
+    msgspec decodes nested values recursively, bounded by the interpreter's recursion limit
+    (1,000 frames by default); typed decoding only goes that deep while it skips values
+    (e.g. the keys before a tagged union's tag), since no valid message nests more than a
+    few levels. `FrameCodec.decode` turns the RecursionError into this DecodeError, so a
+    hostile body costs one `bad_request`, like any other undecodable body.
+    """
 
 
 class ConnectionClosed(Exception):
@@ -65,8 +77,14 @@ class FrameCodec(Generic[T]):
         return bytes(buffer)
 
     def decode(self, body: bytes) -> T:
-        """Typed decode of one body. Raises msgspec.DecodeError / ValidationError."""
-        return self._decoder.decode(body)
+        """Typed decode of one body. Raises msgspec.DecodeError / ValidationError
+        (NestingTooDeep for a body nested past the decoder's recursion bound)."""
+        try:
+            return self._decoder.decode(body)
+        except RecursionError as exc:
+            raise NestingTooDeep(
+                "msgpack body nested too deeply to decode (no valid message nests more "
+                "than a few levels)") from exc
 
     def split(self, data: bytes) -> tuple[list[bytes], bytes]:
         """Bodies of the complete frames at the start of `data`, and the remaining bytes."""

@@ -1,7 +1,10 @@
 """The front <-> scheduler link: two ZeroMQ PUSH/PULL pairs over ipc:// in a private directory.
 
-`LinkPaths` defines every address once. `TypedSocket` is the one typed wrapper: msgspec
-encode on send, typed decode on receive, for any socket kind and either side.
+`LinkPaths` defines every address once. Each front makes its own directory,
+`link-<front pid>-<random>`, so that one whose front was killed (`kill -9` runs no cleanup)
+can be told from a live daemon's and removed at the next start (`remove_stale_links`).
+`TypedSocket` is the one typed wrapper: msgspec encode on send, typed decode on receive,
+for any socket kind and either side.
 
 Why PUSH/PULL: each direction has exactly one writer and one reader, and messages must
 arrive in order. The front binds both sockets (it owns the runtime directory and starts
@@ -14,6 +17,9 @@ high-water mark with non-blocking sends turns a scheduler that stops reading int
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -25,6 +31,7 @@ import zmq.asyncio
 T = TypeVar("T")
 
 SEND_HIGH_WATER_MARK = 100_000  # messages queued towards a peer before sends fail
+LINK_DIR_PREFIX = "link-"
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,19 @@ class LinkPaths:
     """All filesystem paths of one front/scheduler pair, under a private (0700) directory."""
 
     runtime_dir: Path
+
+    @classmethod
+    def create(cls, base_dir: Path) -> LinkPaths:
+        """A fresh 0700 directory `link-<this pid>-<random>` under `base_dir`."""
+        prefix = f"{LINK_DIR_PREFIX}{os.getpid()}-"
+        return cls(Path(tempfile.mkdtemp(prefix=prefix, dir=base_dir)))
+
+    @property
+    def owner_pid(self) -> int | None:
+        """The pid of the front that made this directory (None: not named by `create`)."""
+        pid, sep, _ = self.runtime_dir.name.removeprefix(LINK_DIR_PREFIX).partition("-")
+        is_ours = self.runtime_dir.name.startswith(LINK_DIR_PREFIX) and sep and pid.isdigit()
+        return int(pid) if is_ours else None
 
     @property
     def to_scheduler(self) -> str:
@@ -45,6 +65,41 @@ class LinkPaths:
     def stack_dump_file(self) -> Path:
         """Where the scheduler's faulthandler writes all thread stacks on SIGUSR1."""
         return self.runtime_dir / "scheduler-stacks.txt"
+
+
+def remove_stale_links(base_dir: Path) -> tuple[list[Path], list[tuple[Path, OSError]]]:
+    """Remove the link directories under `base_dir` whose front process is gone.
+
+    Returns (removed, failed with the error). A directory whose owner pid is alive (a
+    running daemon, or a process that reused the pid) or whose name carries no pid is
+    left alone: a live daemon's link is never touched.
+    """
+    removed: list[Path] = []
+    failed: list[tuple[Path, OSError]] = []
+    for path in sorted(base_dir.glob(f"{LINK_DIR_PREFIX}*")):
+        pid = LinkPaths(path).owner_pid
+        if pid is None or not path.is_dir() or path.is_symlink() or _is_alive(pid):
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            failed.append((path, exc))
+        else:
+            removed.append(path)
+    return removed, failed
+
+
+def _is_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie or another user's process counts)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class LinkSendError(Exception):

@@ -25,8 +25,8 @@ def model_under_test() -> str | None:
 class Daemon:
     """One `specd` process tree with JSON logs in `log_path`."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.socket_path = tmp / "specd.sock"
+    def __init__(self, tmp: Path, *args: str, socket_path: Path | None = None) -> None:
+        self.socket_path = socket_path or tmp / "specd.sock"
         self.log_path = tmp / "specd.log"
         model = model_under_test()
         command = [sys.executable, "-P", "-m", "specd.daemon.main",

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from daemon_harness import Daemon, model_under_test
 
 from specd.client import AsyncClient
+from specd.daemon.memory import resident_bytes
 from specd.ipc import client as errors
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
@@ -27,18 +33,27 @@ PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Point:\n    def __
 NEW_TOKENS = 12
 
 
+NOBODY = 65534
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("daemon")
+    # The socket where user nobody can reach it (see as_a_non_operator).
+    socket_dir = Path(tempfile.mkdtemp(prefix="specd-test-"))
+    socket_dir.chmod(0o755)
     # float32: the daemon batches requests as they arrive, the in-process engine all at
     # once; in bfloat16 a batch of another shape may round a near-tie the other way. No
     # measured auto: its mode choices follow timings, and a seeded sampled request draws
-    # its randomness differently in a speculative step.
+    # its randomness differently in a speculative step. The operator is another user.
     d = Daemon(tmp, "--dtype", "float32", "--no-spec-auto-measure",
                "--max-pending-requests", "8", "--frame-timeout-s", "1",
-               "--max-frame-bytes", "65536", "--write-buffer-bytes", "262144").wait_ready()
+               "--write-buffer-bytes", "262144", "--socket-mode", "666",
+               "--operator-uid", str(os.geteuid() + 1),
+               socket_path=socket_dir / "specd.sock").wait_ready()
     yield d
     d.stop()
+    shutil.rmtree(socket_dir)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +232,129 @@ def test_a_client_that_stops_reading_is_cut_off_and_costs_nobody(daemon: Daemon)
             time.sleep(0.1)
         assert daemon.events("slow_reader")
         _assert_serves(daemon)
+    assert _front_counters(daemon)["error_slow_reader"] >= 1
+
+
+def _front_counters(daemon: Daemon) -> dict[str, int]:
+    with daemon.client() as client:
+        return client.stats()["front"]
+
+
+def _deeply_nested_generate(depth: int) -> bytes:
+    """A generate map whose first value nests `depth` arrays, before its `type` tag."""
+    deep = b"\x91" * depth + b"\xc0"
+    body = (b"\x83" + msgspec.msgpack.encode("prompt") + deep + msgspec.msgpack.encode("id")
+            + b"\x01" + msgspec.msgpack.encode("type") + msgspec.msgpack.encode("generate"))
+    return struct.pack(">I", len(body)) + body
+
+
+def test_a_deeply_nested_frame_is_a_bad_request_on_a_connection_that_lives_on(
+        daemon: Daemon) -> None:
+    with _raw(daemon) as sock:
+        sock.sendall(_deeply_nested_generate(50_000))
+        reply = _read_reply(sock)
+        assert isinstance(reply, m.Error) and reply.code == "bad_request"
+        assert "nested too deeply" in reply.message
+        sock.sendall(_frame({"type": "status", "id": 4}))
+        assert isinstance(_read_reply(sock), m.StatusReply)
+    assert not daemon.events("internal_error")
+
+
+def test_every_rejected_frame_is_counted_in_stats(daemon: Daemon) -> None:
+    before = _front_counters(daemon)
+    bad = [_frame({"type": "generate", "id": 1, "prompt": 12}), _frame({"type": "x", "id": 1}),
+           b"\x00\x00\x00\x02\xc1\xc1", _deeply_nested_generate(3_000)] * 25
+    with _raw(daemon) as sock:
+        sock.sendall(b"".join(bad))
+        for _ in bad:
+            reply = _read_reply(sock)
+            assert isinstance(reply, m.Error) and reply.code == "bad_request"
+        sock.sendall(_frame({"type": "abort", "id": 2, "target": 77}))
+        assert isinstance(_read_reply(sock), m.Error)
+        sock.sendall(b"\x00\x00\x00\x00")
+        assert isinstance(_read_reply(sock), m.Error) and _read_reply(sock) is None
+    after = _front_counters(daemon)
+    for code, count in (("bad_request", len(bad)), ("not_found", 1), ("bad_frame", 1)):
+        key = f"error_{code}"
+        assert after.get(key, 0) - before.get(key, 0) == count, key
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_and_keeps_no_memory(
+        daemon: Daemon) -> None:
+    prompt = (PROMPTS[0] * 400_000)[:3_900_000]
+    with daemon.client() as client:
+        client.generate(prompt=PROMPTS[0], max_tokens=1)  # the front's buffers at their size
+        before = resident_bytes(daemon.process.pid)
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(errors.PromptTooLong, match="without tokenizing"):
+                client.generate(prompt, max_tokens=1)
+            assert time.monotonic() - started < 2.0  # tokenizing it took seconds
+    # Tokenizing 3.9 MB took the front from 46 MB to 428 MB, for good.
+    assert resident_bytes(daemon.process.pid) - before < 64 * 2**20
+    _assert_serves(daemon)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(daemon: Daemon) -> None:
+    with daemon.client() as client:
+        max_model_len = int(client.status().resolved["max_model_len"])
+    prompt = (PROMPTS[1] * 20_000)[:max_model_len * 60]  # under the byte bound, too many tokens
+    with _raw(daemon) as sock:
+        sock.sendall(_frame({"type": "generate", "id": 1, "prompt": prompt})
+                     + _frame({"type": "abort", "id": 2, "target": 99}))
+        # The abort, read after the generate, is answered while the prompt is tokenized.
+        first, second = _read_reply(sock), _read_reply(sock)
+        assert isinstance(first, m.Error) and (first.id, first.code) == (2, "not_found")
+        assert isinstance(second, m.Error) and (second.id, second.code) == (1, "prompt_too_long")
+        assert "tokens" in second.message
+
+
+def as_a_non_operator(action: Callable[[], Any]) -> Any:
+    """`action()`'s result, run by a user who is not an operator: as root (always an
+    operator), in a child process that dropped to user nobody; otherwise here (the test
+    daemon's operator is another uid)."""
+    if os.geteuid() != 0:
+        return action()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the result or the traceback, then leave at once
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            outcome = {"result": action()}
+        except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
+            outcome = {"error": traceback.format_exc()}
+        os.write(write_end, json.dumps(outcome).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcome = json.loads(pipe.read() or b'{"error": "the child died"}')
+    os.waitpid(pid, 0)
+    assert "error" not in outcome, outcome["error"]
+    return outcome["result"]
+
+
+def test_control_requests_need_an_operator(daemon: Daemon) -> None:
+    def try_control() -> list[list[Any]]:
+        with _raw(daemon) as sock:
+            replies = []
+            for request in ({"type": "drain", "id": 1}, {"type": "stop", "id": 2},
+                            {"type": "spec", "id": 3, "mode": "off"}, {"type": "status", "id": 4}):
+                sock.sendall(_frame(request))
+                reply = _read_reply(sock)
+                assert reply is not None
+                replies.append([type(reply).__name__, reply.id,
+                                getattr(reply, "code", None), getattr(reply, "message", "")])
+            return replies
+
+    before = _front_counters(daemon).get("error_forbidden", 0)
+    replies = as_a_non_operator(try_control)
+    assert [r[:3] for r in replies] == [["Error", 1, "forbidden"], ["Error", 2, "forbidden"],
+                                        ["Error", 3, "forbidden"], ["StatusReply", 4, None]]
+    assert "for an operator" in replies[0][3]
+    assert _front_counters(daemon)["error_forbidden"] - before == 3
+    _assert_serves(daemon)  # still ready: nothing drained or stopped
 
 
 def _engine_stats(daemon: Daemon) -> dict[str, int]:
@@ -291,10 +429,10 @@ def test_specd_help_documents_every_option() -> None:
     import dataclasses
 
     from specd.daemon.config import DaemonConfig
-    from specd.daemon.main import DAEMON_HELP, ENGINE_HELP
+    from specd.daemon.main import DAEMON_HELP, ENGINE_HELP, NOT_OPTIONS
     from specd.workers.config import EngineConfig
 
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - NOT_OPTIONS
     daemon_fields = {f.name for f in dataclasses.fields(DaemonConfig)} - {"engine"}
     assert engine_fields <= set(ENGINE_HELP), "add help for new EngineConfig fields"
     assert daemon_fields <= set(DAEMON_HELP), "add help for new DaemonConfig fields"
@@ -303,6 +441,7 @@ def test_specd_help_documents_every_option() -> None:
     for name in engine_fields | daemon_fields - {"socket_path"}:
         assert "--" + name.replace("_", "-") in out
     assert "--socket " in out
+    assert "--extra " not in out  # read by nothing, so not an option
 
 
 def _specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:

@@ -80,7 +80,8 @@ def _is_dead(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def test_scheduler_dies_with_the_front(tmp_path: Path) -> None:
+def test_after_kill_9_of_the_front_its_scheduler_dies_and_the_next_start_cleans_up(
+        tmp_path: Path) -> None:
     daemon = Daemon(tmp_path).wait_ready()
     try:
         scheduler_pid = daemon.scheduler_pid
@@ -92,6 +93,16 @@ def test_scheduler_dies_with_the_front(tmp_path: Path) -> None:
         assert _is_dead(scheduler_pid)
     finally:
         daemon.stop()
+    (stale,) = tmp_path.glob("link-*")  # nothing ran to remove it
+    successor = Daemon(tmp_path).wait_ready()
+    try:
+        assert not stale.exists()
+        (record,) = successor.events("stale_link_removed")
+        assert record["path"] == str(stale)
+        (own,) = tmp_path.glob("link-*")
+        assert own.name.startswith(f"link-{successor.process.pid}-")
+    finally:
+        successor.stop()
 
 
 def test_hung_scheduler_is_detected_dumped_and_killed(tmp_path: Path) -> None:

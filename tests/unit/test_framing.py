@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from specd.ipc import messages as m
-from specd.ipc.framing import ConnectionClosed, FrameCodec, FrameError, recv_body
+from specd.ipc.framing import ConnectionClosed, FrameCodec, FrameError, NestingTooDeep, recv_body
 
 CODEC: FrameCodec[m.ClientMessage] = FrameCodec(m.ClientMessage, max_frame_bytes=1024)
 
@@ -87,6 +87,23 @@ def test_async_read_idle_connection_times_out() -> None:
 def test_garbage_body_is_a_decode_error_not_a_frame_error() -> None:
     with pytest.raises(msgspec.DecodeError):
         CODEC.decode(b"\xc1\xc1\xc1")
+
+
+def deeply_nested_generate(depth: int) -> bytes:
+    """A generate map whose first value nests `depth` arrays, before the `type` tag: the
+    decoder must skip it to find the tag."""
+    deep = b"\x91" * depth + b"\xc0"
+    return (b"\x83" + msgspec.msgpack.encode("prompt") + deep + msgspec.msgpack.encode("id")
+            + b"\x01" + msgspec.msgpack.encode("type") + msgspec.msgpack.encode("generate"))
+
+
+@pytest.mark.parametrize("depth", [2_000, 50_000])
+def test_a_body_nested_too_deeply_is_a_decode_error(depth: int) -> None:
+    codec: FrameCodec[m.ClientMessage] = FrameCodec(m.ClientMessage)
+    with pytest.raises(NestingTooDeep, match="nested too deeply") as caught:
+        codec.decode(deeply_nested_generate(depth))
+    assert isinstance(caught.value, msgspec.DecodeError)  # what the server answers bad_request
+    assert codec.decode(CODEC.encode(m.StatusQuery(id=2))[4:]) == m.StatusQuery(id=2)
 
 
 def test_blocking_recv_body() -> None:

@@ -1,0 +1,164 @@
+"""The front's answers to everything but generate and abort: status and stats queries, and
+the control requests `spec`, `drain` and `stop`.
+
+Control requests change the daemon for every client, so only an operator may send them:
+the peer's uid (SO_PEERCRED, taken when it connected) must be root or
+`DaemonConfig.operator_uid` (default: the daemon's own user). Anyone else gets `forbidden`
+and keeps the connection. Queries that need the scheduler's figures ask it over the link
+and wait at most `QUERY_TIMEOUT_S`; a bug in a handler answers `internal_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import msgspec
+
+import specd
+from specd.daemon import provenance
+from specd.daemon.lifecycle import State
+from specd.daemon.logs import log_event
+from specd.daemon.server import Connection
+from specd.ipc import messages as m
+from specd.ipc.zmq_link import LinkSendError
+
+if TYPE_CHECKING:
+    from specd.daemon.front import Front
+
+log = logging.getLogger("specd.front")
+
+QUERY_TIMEOUT_S = 5.0
+ControlMessage: TypeAlias = m.StatusQuery | m.StatsQuery | m.SetSpec | m.Drain | m.Stop
+OPERATOR_ONLY = (m.SetSpec, m.Drain, m.Stop)
+
+
+class Control:
+    """Answers `ControlMessage`s for `front`; owns the queries in flight to the scheduler."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self._next_query_id = 0
+        self._queries: dict[int, asyncio.Future[m.QueryReply]] = {}
+
+    def handle(self, connection: Connection, message: ControlMessage) -> None:
+        """Answer at once or through a task; never raises for a client's mistake."""
+        front = self.front
+        if isinstance(message, OPERATOR_ONLY) and not self._is_operator(connection):
+            connection.reject(message.id, "forbidden",
+                              f"{message.__struct_config__.tag} is for an operator (uids "
+                              f"{sorted(front.config.operator_uids)}); this connection is "
+                              f"uid {connection.peer_uid}")
+        elif isinstance(message, m.StatusQuery):
+            self._spawn_guarded(connection, message.id, self._reply_status)
+        elif isinstance(message, m.StatsQuery):
+            self._spawn_guarded(connection, message.id, self._reply_stats)
+        elif isinstance(message, m.SetSpec):
+            front.spawn(self._guarded(connection, message.id, self._set_spec(connection, message)))
+        elif isinstance(message, m.Drain):
+            timeout = front.config.drain_timeout_s if message.timeout_s is None \
+                else message.timeout_s
+            connection.send(m.Ack(message.id, f"draining {len(front.table)} requests"))
+            front.begin_drain(timeout, "drain requested by a client")
+        elif isinstance(message, m.Stop):
+            connection.send(m.Ack(message.id, f"stopping; ending {len(front.table)} requests"))
+            front.begin_drain(0.0, "stop requested by a client")
+
+    def on_reply(self, reply: m.QueryReply) -> None:
+        future = self._queries.pop(reply.query_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def _is_operator(self, connection: Connection) -> bool:
+        return connection.peer_uid in self.front.config.operator_uids
+
+    def _spawn_guarded(self, connection: Connection, client_id: int,
+                       reply: Callable[[Connection, int], Coroutine[Any, Any, None]]) -> None:
+        self.front.spawn(self._guarded(connection, client_id, reply(connection, client_id)))
+
+    async def _guarded(self, connection: Connection, client_id: int,
+                       coro: Coroutine[Any, Any, None]) -> None:
+        """Run a query handler; a bug in it answers internal_error instead of vanishing."""
+        try:
+            await coro
+        except Exception:  # noqa: BLE001 - reported to the client and the log
+            log.exception("internal error answering request %d", client_id,
+                          extra={"event": "internal_error",
+                                 "connection": connection.connection_id})
+            connection.reject(client_id, "internal_error", "internal error; see the log")
+
+    async def _query(self, make: Callable[[int], m.ToScheduler]) -> m.QueryReply:
+        """Send `make(query_id)` to the scheduler and wait for its QueryReply."""
+        self._next_query_id += 1
+        query_id = self._next_query_id
+        future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        try:
+            self.front.scheduler.send(make(query_id))
+            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+        finally:
+            self._queries.pop(query_id, None)
+
+    async def _engine_stats(self) -> dict[str, Any]:
+        if self.front.state is not State.READY:
+            return {}
+        try:
+            reply = await self._query(lambda q: m.QueryStats(q))
+        except (TimeoutError, LinkSendError) as exc:
+            return {"error": f"the scheduler did not answer: {exc!r}"}
+        return reply.result
+
+    async def _reply_status(self, connection: Connection, query_id: int) -> None:
+        engine = await self._engine_stats()
+        front = self.front
+        ready = front.ready
+        connection.send(m.StatusReply(
+            id=query_id,
+            state=front.state.value,
+            protocol=m.PROTOCOL_VERSION,
+            version=specd.__version__,
+            uptime_s=time.monotonic() - front.started,
+            model=str(ready.resolved.get("model_name")) if ready else str(
+                front.config.engine.model_path),
+            num_open_requests=len(front.table),
+            num_connections=len(front.connections),
+            resolved=ready.resolved if ready else {"stage": front.scheduler_stage},
+            engine=engine,
+            provenance={
+                "front": provenance.report(),
+                "scheduler": {} if ready is None else {
+                    "code_version": ready.code_version, "pid": ready.pid,
+                    "modules": ready.modules, "packages": ready.packages},
+            },
+            config=msgspec.to_builtins(front.config, enc_hook=str),
+        ))
+
+    async def _reply_stats(self, connection: Connection, query_id: int) -> None:
+        engine = await self._engine_stats()
+        front = self.front
+        stats = {"engine": engine, "front": dict(front.counters),
+                 "open_requests": len(front.table), "connections": len(front.connections)}
+        connection.send(m.StatsReply(query_id, stats))
+
+    async def _set_spec(self, connection: Connection, message: m.SetSpec) -> None:
+        state = self.front.state
+        if state is not State.READY:
+            connection.reject(message.id, "starting" if state is State.STARTING
+                              else "shutting_down", "the scheduler is not serving")
+            return
+        try:
+            reply = await self._query(
+                lambda q: m.SetSpecMode(q, message.mode, message.threshold))
+        except (TimeoutError, LinkSendError) as exc:
+            connection.reject(message.id, "scheduler_unavailable", repr(exc))
+            return
+        if reply.error is not None:
+            connection.reject(message.id, "bad_request", reply.error)
+            return
+        log_event(log, logging.INFO, "spec_mode", f"speculation set to {message.mode}",
+                  threshold=message.threshold)
+        connection.send(m.Ack(message.id, f"speculation {message.mode}"
+                              + (f" threshold {message.threshold}" if message.threshold else "")))
