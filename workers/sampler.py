@@ -11,9 +11,16 @@ batch at once. The filters are applied in the order transformers and SGLang use:
     renormalize over the kept tokens
 
 Ties are kept whole so that the result does not depend on how a sort orders equal values.
-Greedy rows (temperature 0) are one-hot at the argmax (the lowest token id among equal
-maxima). Sampling uses the exponential race (`argmax(probs / q)`, q ~ Exp(1)), which draws
-from `probs` exactly and lets each seeded row draw its noise from its own generator.
+The most likely token survives every filter whatever the parameters (a top_p that rounds to
+0 in float32 included), so every row keeps some mass and no index goes out of range. Greedy
+rows (`SamplingParams.is_greedy`: temperature below 1e-5) are one-hot at the argmax (the
+lowest token id among equal maxima).
+
+Logits may hold -inf (masked tokens) and huge finite values; rows with +inf or only -inf
+still give finite distributions, and a NaN logit an unspecified but in-range token.
+
+Sampling uses the exponential race (`argmax(probs / q)`, q ~ Exp(1)), which draws from
+`probs` exactly and lets each seeded row draw its noise from its own generator.
 """
 
 from __future__ import annotations
@@ -31,15 +38,15 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     """The distribution each row samples from: [M, V] float32, rows sum to 1.
 
     logits: [M, V] (any float dtype; computed in float32). params: one per row.
-    Greedy rows are one-hot at the argmax of the raw logits.
+    Greedy rows are one-hot at the argmax of the raw logits. In every row the argmax token
+    has probability > 0 and every value is finite (for logits without NaN).
     """
     _check_rows(logits, params, "params")
     logits = logits.float()
     # Per-row settings go up through pinned memory (upload): a pageable copy would wait
     # for the step in flight, which overlap scheduling launches this one beside.
-    temperature = upload(torch.tensor(
-        [1.0 if p.is_greedy else p.temperature for p in params]), logits.device)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [M, V]
+    temperature = upload(torch.tensor([_temperature(p) for p in params]), logits.device)
+    probs = torch.softmax(_shifted(logits) / temperature[:, None], dim=-1)  # [M, V]
     if any(_filters(p) for p in params if not p.is_greedy):
         probs = _filter(probs, params)
     if any(p.is_greedy for p in params):  # decided on the host: no device sync
@@ -124,6 +131,22 @@ def top_logprobs(
     ]
 
 
+def _temperature(p: SamplingParams) -> float:
+    """The divisor of a row's logits: 1 for greedy rows (overwritten by the one-hot), else the
+    temperature, at most float32's largest: above it the device would hold inf, and
+    -inf / inf is NaN. At that temperature a row is already uniform over its finite logits
+    unless they span more than ~1e31, so the bound changes nothing else."""
+    return 1.0 if p.is_greedy else min(p.temperature, torch.finfo(torch.float32).max)
+
+
+def _shifted(logits: torch.Tensor) -> torch.Tensor:
+    """Each row minus its largest logit: <= 0, and exactly 0 at the largest, so dividing by
+    a temperature cannot overflow and the most likely token keeps weight exp(0) = 1. Also
+    exactly 0 where the largest is +inf or the whole row is -inf (inf - inf would be NaN)."""
+    largest = logits.amax(dim=-1, keepdim=True)  # [M, 1]
+    return torch.where(logits == largest, 0.0, logits - largest)
+
+
 def _filters(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
@@ -147,7 +170,9 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     # mass before it is < top_p. Rows with top_p = 1 skip this (rounding could drop the tail).
     before = kept.cumsum(dim=-1) - kept
     in_prefix = (before < top_p[:, None]) & (kept > 0)
-    last = in_prefix.sum(dim=-1, keepdim=True) - 1  # index of the last kept, [M, 1]
+    # Index of the last kept, [M, 1]; at least 0: a top_p that rounds to 0 in float32
+    # (1e-300) leaves the prefix empty, and the most likely token must still be kept.
+    last = (in_prefix.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     p_threshold = kept.gather(1, last)
     p_threshold = torch.where(top_p[:, None] >= 1.0, 0.0, p_threshold)
     kept = torch.where(kept >= p_threshold, kept, 0.0)

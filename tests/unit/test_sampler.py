@@ -178,3 +178,43 @@ def test_bad_shapes_name_the_argument() -> None:
         probs_from_logits(torch.zeros(4), [SamplingParams()])
     with pytest.raises(ValueError, match="token_ids"):
         top_logprobs(logits, [1, 2, 3], 1)
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token_and_its_ties() -> None:
+    # 1e-300 is 0 in float32: no prefix "reaches" it, yet the most likely token must remain.
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
+    for top_p in (1e-300, 5e-324):
+        params = [SamplingParams(temperature=0.7, top_p=top_p)]
+        assert probs_from_logits(logits, params)[0].tolist() == [0.0, 0.5, 0.0, 0.5]
+        assert int(sample(logits, params, [None])[0]) in (1, 3)
+
+
+def test_temperatures_below_1e_minus_5_are_greedy_with_or_without_filters() -> None:
+    logits = torch.tensor([[0.1, 0.3, 0.2, 0.3, -0.5]])
+    for params in (SamplingParams(temperature=1e-40),
+                   SamplingParams(temperature=1e-40, top_k=5),
+                   SamplingParams(temperature=9.9e-6, top_p=0.5, min_p=0.5)):
+        assert params.is_greedy
+        gen = torch.Generator().manual_seed(0)
+        state = gen.get_state()
+        assert sample(logits, [params], [gen]).tolist() == [1]  # lowest id among the maxima
+        assert torch.equal(gen.get_state(), state), "greedy rows draw no random numbers"
+        assert probs_from_logits(logits, [params]).tolist() == [[0, 1, 0, 0, 0]]
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def test_extreme_logits_and_temperatures_give_finite_distributions() -> None:
+    inf, big = math.inf, torch.finfo(torch.float32).max
+    logits = torch.tensor([
+        [big, -big, 0.0, -inf],  # logit / temperature and logit - max overflow
+        [inf, 1.0, inf, -inf],  # a +inf logit takes all the mass, shared among ties
+        [-inf, -inf, -inf, -inf],  # nothing to prefer: uniform, but finite
+        [1e4, 0.0, -1e4, -inf],  # a huge temperature: uniform over the unmasked tokens
+    ])
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1e300)]
+    probs = probs_from_logits(logits, params)
+    assert probs.tolist() == [
+        [1.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.25] * 4, pytest.approx([1 / 3] * 3 + [0])]
+    tokens = sample(logits, params, [None] * 4)
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())

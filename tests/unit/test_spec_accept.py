@@ -21,7 +21,14 @@ import torch
 from specd.ipc.sampling import SamplingParams
 from specd.workers.sampler import probs_from_logits
 from specd.workers.spec.accept import accept_greedy, accept_sampled, accept_tree
-from specd.workers.spec.tree import DraftTree, build_tree, chain_tree, expand_tree, start_tree
+from specd.workers.spec.tree import (
+    DraftTree,
+    build_tree,
+    chain_tree,
+    expand_tree,
+    start_tree,
+    tree_mask_from_parents,
+)
 
 VOCAB = 8
 NUM_SAMPLES = 100_000
@@ -298,3 +305,38 @@ def test_fixed_loops_read_nothing_and_accept_the_same(topk, steps, num_draft_tok
         assert fixed.token_lists() == early.token_lists()
         assert fixed.node_lists() == early.node_lists()
         assert fixed.accepted_nodes.shape == (64, steps)
+
+
+def test_tiny_temperatures_accept_greedily_as_the_sampler_samples():
+    # `is_greedy` decides for acceptance as for the sampler: a temperature of 1e-40 (alone or
+    # with filters that round to nothing in float32) follows the argmax and draws no random
+    # numbers, also beside sampled trees in the same batch.
+    gen = torch.Generator().manual_seed(13)
+    roots = torch.randint(0, VOCAB, (4,), generator=gen)
+    tree = draft_trees(bigram(14), roots, 2, 3, 6)
+    logits = torch.randn(4, tree.num_nodes, VOCAB, generator=gen)
+    expected = accept_greedy(tree, logits.argmax(-1)).token_lists()
+    tiny = [SamplingParams(temperature=1e-40, seed=5),
+            SamplingParams(temperature=1e-40, top_k=5, top_p=1e-300, seed=6)]
+    seeded = torch.Generator().manual_seed(42)
+    state = seeded.get_state()
+    acc = accept_tree(tree, logits, tiny * 2, [seeded] * 4)
+    assert torch.equal(seeded.get_state(), state)
+    assert acc.token_lists() == expected
+    mixed = accept_tree(tree, logits, tiny + [SAMPLED] * 2, [None] * 4,
+                        torch.Generator().manual_seed(3))
+    assert mixed.token_lists()[:2] == expected[:2]
+
+
+def test_a_residual_with_subnormal_mass_is_renormalized():
+    # The first child (token 0) has q = 0 and p = 0: rejected for sure, leaving
+    # max(p - q, 0) = 1e-44 on token 3 alone. That residual is a distribution all on token 3,
+    # so the second child, token 3 drafted with q = 1, is accepted for sure.
+    tree = DraftTree(token_ids=torch.tensor([[5, 0, 3]]), parents=torch.tensor([[-1, 0, 0]]),
+                     depths=torch.tensor([[0, 1, 1]]),
+                     tree_mask=tree_mask_from_parents(torch.tensor([[-1, 0, 0]])))
+    target = torch.tensor([[[0.0, 0.5, 0.5, 1e-44], [0.25] * 4, [0.0, 0.0, 1.0, 0.0]]])
+    draft = torch.tensor([[[0.25] * 4, [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]]])
+    acc = accept_sampled(tree, target, [torch.Generator().manual_seed(0)], draft)
+    assert acc.node_lists() == [[2]]
+    assert acc.token_lists() == [[3, 2]]

@@ -168,12 +168,14 @@ def _walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor,
 def _without(p: torch.Tensor, token: torch.Tensor, q_row: torch.Tensor | None) -> torch.Tensor:
     """norm(max(p - q, 0)) [B, V]; q one-hot at `token` when q_row is None.
 
-    A row whose difference is all zero (p == q up to rounding, where acceptance is certain
-    but for rounding) keeps p, so no NaN can appear.
+    A row whose difference is all zero (p <= q everywhere, i.e. p == q up to rounding, where
+    acceptance is certain but for rounding) keeps p, so no NaN can appear. A positive total,
+    however small (a subnormal), is divided by as it is: the next sibling's acceptance reads
+    this row, so it must sum to 1.
     """
     diff = p.scatter(1, token[:, None], 0.0) if q_row is None else (p - q_row).clamp(min=0.0)
-    total = diff.sum(dim=1, keepdim=True)
-    return torch.where(total > 0, diff / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+    total = diff.sum(dim=1, keepdim=True)  # [B, 1]
+    return torch.where(total > 0, diff / torch.where(total > 0, total, 1.0), p)
 
 
 def _uniforms(batch: int, num_nodes: int, generators: Sequence[torch.Generator | None],
