@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_the_batch1_target_reads_the_pairs() -> None:
     ({"window_s": 0.0}, "window_s must be > 0"),
     ({"settle_s": -1.0}, "settle_s must be >= 0"),
 ])
-def test_paired_config_rejects_what_cannot_measure(options: dict[str, float],
+def test_paired_config_rejects_what_cannot_measure(options: dict[str, Any],
                                                     message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PairedConfig(**options)
@@ -129,52 +130,105 @@ def test_paired_request_lengths_vary_around_max_tokens_and_first_ones_are_cut() 
 
 
 class SwitchingClient:
-    """Stands in for the daemon in `run_paired`: each request takes 2 ms per token and
-    streams them in one frame; records, per mode switch, the (prompt, length) of every
-    request started after it."""
+    """Stands in for the daemon in `run_paired`, with no clock of its own: a request
+    yields to the event loop once, then streams its tokens in one frame, and `stats()`
+    returns only once every client has started `REQUESTS_PER_SWITCH` requests since the
+    last mode switch. `run_paired` calls `stats()` right before it opens a window and right
+    after it closes one, so what each window holds is decided by these counts, not by how
+    fast the machine runs. Records, per switch, the (prompt, length) of every request
+    started after it, and the tokens it delivered inside each window (between the two
+    `stats()` calls around it). Its counters say every token of an "on" window came from
+    speculative steps (one verify pass per frame) and none of an "off" one."""
 
-    def __init__(self) -> None:
+    REQUESTS_PER_SWITCH = 3
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.mode = ""
         self.num_switches = 0
         self.started: dict[int, list[tuple[str, int]]] = {}
+        self.in_window = False
+        self.window_tokens: list[int] = []
+        self.counters = {"num_verify_passes": 0, "num_accepted": 0, "num_generated_tokens": 0}
 
     async def set_spec(self, mode: str) -> str:
+        self.mode = mode
         self.num_switches += 1
         return mode
 
+    def _client_counts(self) -> list[int]:
+        started = self.started.get(self.num_switches, [])
+        return [sum(1 for prompt, _ in started if int(prompt[1:]) % self.concurrency == c)
+                for c in range(self.concurrency)]
+
     async def stats(self) -> dict[str, Any]:
-        return {}
+        if self.in_window:  # the window just closed
+            self.in_window = False
+        else:
+            while min(self._client_counts()) < self.REQUESTS_PER_SWITCH:
+                await asyncio.sleep(0)
+            self.in_window = True
+            self.window_tokens.append(0)
+        return {"engine": dict(self.counters)}
 
     async def timed_request(self, prompt: str, sampling: SamplingParams,
                             on_tokens: Callable[[float, int], None] | None = None) -> None:
         self.started.setdefault(self.num_switches, []).append((prompt, sampling.max_tokens))
-        await asyncio.sleep(0.002 * sampling.max_tokens)
+        await asyncio.sleep(0)
+        tokens = sampling.max_tokens
+        self.counters["num_generated_tokens"] += tokens
+        if self.mode == "on":
+            self.counters["num_verify_passes"] += 1
+            self.counters["num_accepted"] += tokens - 1
+        if self.in_window:
+            self.window_tokens[-1] += tokens
         if on_tokens is not None:
-            on_tokens(asyncio.get_running_loop().time(), sampling.max_tokens)
+            on_tokens(time.perf_counter(), tokens)
+
+
+def _run_switching(client: SwitchingClient, cycles: int) -> PairedRun:
+    # Wall-clock times only as short as the config allows: the counts above decide.
+    config = PairedConfig(cycles=cycles, window_s=1e-3, settle_s=0.0, warm_s=0.0)
+    prompts = [f"p{i}" for i in range(1000)]
+    return asyncio.run(asyncio.wait_for(
+        run_paired(cast(Any, client),  # a stand-in for BenchClient: the calls it makes
+                   prompts, SamplingParams(max_tokens=8), ["off", "on", "auto"],
+                   client.concurrency, config), timeout=60))
 
 
 def test_the_modes_of_a_cycle_serve_the_same_requests() -> None:
     # Common random numbers: at each switch every client restarts at its cycle's point of
     # the prompt and length sequence, so a cycle's windows differ only by the mode.
-    client = SwitchingClient()
-    config = PairedConfig(cycles=2, window_s=0.15, settle_s=0.02, warm_s=0.05)
-    prompts = [f"p{i}" for i in range(200)]
-    run = asyncio.run(run_paired(client, prompts, SamplingParams(max_tokens=8),
-                                 ["off", "on", "auto"], 2, config))
+    client = SwitchingClient(concurrency=2)
+    run = _run_switching(client, cycles=2)
     assert [(w.cycle, w.mode) for w in run.windows] == [
         (1, "off"), (1, "on"), (1, "auto"), (2, "on"), (2, "auto"), (2, "off")]
-    def by_client(switch: int) -> list[list[tuple[str, int]]]:
-        """Each client's requests after a switch, in order (client = prompt index mod 2)."""
+
+    def first_requests(switch: int) -> list[list[tuple[str, int]]]:
+        """Each client's first requests after a switch (client = prompt index mod 2)."""
         started = client.started[switch]
-        return [[r for r in started if int(r[0][1:]) % 2 == c] for c in (0, 1)]
+        return [[r for r in started if int(r[0][1:]) % 2 == c][:3] for c in (0, 1)]
 
     # switch 1 is the warm-up's set_spec; switches 2-4 are cycle 1, 5-7 cycle 2
-    for switches in ((2, 3, 4), (5, 6, 7)):
-        for c in (0, 1):
-            runs = [by_client(k)[c] for k in switches]
-            assert all(len(r) >= 3 for r in runs)
-            assert runs[0][:3] == runs[1][:3] == runs[2][:3]
-    cycle_1, cycle_2 = (set(client.started[k]) for k in (2, 5))
-    assert not cycle_1 & cycle_2  # other prompts from cycle to cycle
+    cycle_1, cycle_2 = (first_requests(2), first_requests(5))
+    for switches, first in (((2, 3, 4), cycle_1), ((5, 6, 7), cycle_2)):
+        for k in switches:
+            assert first_requests(k) == first
+    for c in (0, 1):
+        assert not set(cycle_1[c]) & set(cycle_2[c])  # other requests from cycle to cycle
+
+
+def test_each_window_counts_the_tokens_delivered_inside_it_in_its_mode() -> None:
+    client = SwitchingClient(concurrency=3)
+    run = _run_switching(client, cycles=2)
+    assert [w.tokens for w in run.windows] == client.window_tokens
+    assert all(tokens > 0 for tokens in client.window_tokens)  # 3 requests each, at least
+    for w in run.windows:
+        # the counters read around each window show the mode the daemon ran in it
+        assert w.spec_share == (1.0 if w.mode == "on" else 0.0)
+    summary = summarize_paired(run)
+    for mode, row in summary["modes"].items():
+        assert row["tokens"] == sum(w.tokens for w in run.windows if w.mode == mode)
 
 
 def test_a_cycles_sequence_start_depends_on_the_cycle_and_client_only() -> None:
