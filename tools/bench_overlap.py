@@ -31,6 +31,7 @@ from specd.daemon.tokenizer import Tokenizer  # noqa: E402
 from specd.ipc.sampling import SamplingParams  # noqa: E402
 from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
 from specd.workers.engine import EngineCore  # noqa: E402
+from specd.workers.graph_backend import GraphBackend  # noqa: E402
 from specd.workers.host_copy import HostCopy  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {"plain": {"speculative_algorithm": None},
@@ -73,7 +74,8 @@ def measure(options: dict[str, Any], overlap: bool, graphs: bool, batch: int,
         steps += 1
     wall = time.perf_counter() - started
     wait = HostCopy.total_wait_s - waited
-    replays = 0 if core.runner.graphs is None else core.runner.graphs.num_replays
+    backend = core.runner.backend
+    replays = backend.graphs.num_replays if isinstance(backend, GraphBackend) else 0
     return {"batch": batch, "overlap": overlap, "graphs": graphs,
             "graphs_status": core.resolved.graphs, "graph_replays": replays,
             "steps": steps, "tokens": emitted,

@@ -85,3 +85,18 @@ class ModelOutput:
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftTokenIds:
+    """Drafts for each sequence's next verify, from the speculative worker to the scheduler
+    (`Scheduler.update_draft_token_ids`, the one door for drafts).
+
+    token_ids: request id -> draft token ids the host knows (a whole step read them).
+    lagged: request id -> the sample id of the launched step that made its drafts on the
+    device (overlap scheduling: the host knows only that there are `num_lagged` of them).
+    """
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    lagged: dict[str, int] = field(default_factory=dict)
+    num_lagged: int = 0

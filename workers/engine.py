@@ -20,7 +20,7 @@ from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
-from specd.workers.spec.overlap import PendingSpec
+from specd.workers.spec.step import PendingSpec
 from specd.workers.spec.worker import (
     SpecFigures,
     SpeculativeWorker,
@@ -127,9 +127,8 @@ class EngineCore:
             overlap_schedule=config.overlap_enabled,
             graphs=_graphs_status(self.runner, self.spec),
             graph_memory_bytes=(
-                (0 if self.runner.graphs is None else self.runner.graphs.memory_bytes)
-                + (0 if self.spec is None or self.spec.draft_graphs is None
-                   else self.spec.draft_graphs.memory_bytes)),
+                self.runner.backend.memory_bytes
+                + (0 if self.spec is None else self.spec.drafter.loop_runner.memory_bytes)),
         )
 
     def add_request(
@@ -167,47 +166,47 @@ class EngineCore:
 
         With overlap scheduling the step is split: schedule and launch step N, then
         process step N - 1's results (which the host reads only now), so the deltas lag
-        one call behind. Speculative steps overlap too (spec/overlap.py: accepted counts
-        and drafts stay on the device); a change of speculation state drains the step in
-        flight and runs one whole step (see `_overlap_kind`).
+        one call behind. Speculative steps overlap too (spec/worker.py: accepted counts
+        and drafts stay on the device); speculation turned off drains the step in flight
+        and runs one whole step (see `_can_overlap`).
         """
-        kind = self._overlap_kind() if self.overlap else None
-        if kind is not None:
-            return self._step_overlapped(kind)
+        if self.overlap and self._can_overlap():
+            return self._step_overlapped()
         deltas = self._drain()
         # The next step runs from what the host knows: drafts made on the device by the
         # step just drained are not verified (the sequences decode one plain step).
         self.scheduler.drop_lagged_drafts()
         return deltas + self._step_whole()
 
-    def _overlap_kind(self) -> str | None:
-        """How the next step overlaps the one in flight: "plain", "spec", or None (drain
-        it and run a whole step): speculation was switched since the step in flight was
-        launched, or plain steps resume while drafts `propose` made wait on the host."""
-        if self.spec is None:
-            return "plain"
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be launched before the one in flight is read. Not
+        while speculation is off and the step in flight drafted on the device (the verifies
+        of those drafts could not be scheduled without drafting again), nor while drafts
+        the host knows wait (a whole step verifies them): drain, and run a whole step."""
+        if self.spec is None or self.spec.controller.enabled:
+            return True
         in_flight = self._in_flight
-        spec_in_flight = in_flight is not None and isinstance(in_flight.pending, PendingSpec)
-        if self.spec.controller.enabled:
-            return "spec" if in_flight is None or spec_in_flight else None
-        if spec_in_flight or any(s.spec_token_ids for s in self.scheduler.running):
-            return None
-        return "plain"
+        if (in_flight is not None and isinstance(in_flight.pending, PendingSpec)
+                and in_flight.pending.drafted is not None):
+            return False
+        return not any(s.spec_token_ids for s in self.scheduler.running)
 
-    def _step_overlapped(self, kind: str) -> list[RequestDelta]:
+    def _step_overlapped(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
             pending: PendingOutput | PendingSpec
-            if self.spec is None:
-                pending = self.runner.launch(batch)
-            elif kind == "spec":
-                pending = self.spec.launcher.launch(batch)
-            else:
-                pending = self.spec.launch_plain(batch)
+            pending = (self.runner.launch(batch) if self.spec is None
+                       else self.spec.launch(batch))
             launched = _InFlight(batch, pending, t0)
         deltas = self._drain()
+        if self.spec is not None:
+            # Drafts for the sequences of the step just launched (made by it, or by the
+            # controller turning speculation on in `_drain`) stay on the device: the next
+            # step verifies them lagged.
+            self.scheduler.update_draft_token_ids(
+                self.spec.take_draft_token_ids(on_device=True))
         self._in_flight = launched
         return deltas
 
@@ -227,25 +226,25 @@ class EngineCore:
             return []
         output = (self.runner.execute(batch) if self.spec is None
                   else self.spec.execute(batch))
-        return self._finish(batch, output, t0)
+        deltas = self._finish(batch, output, t0)
+        if self.spec is not None:
+            # Its drafts, read on the host: after update, which consumed the previous ones.
+            self.scheduler.update_draft_token_ids(
+                self.spec.take_draft_token_ids(on_device=False))
+        return deltas
 
     def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float,
                 spec_pending: PendingSpec | None = None) -> list[RequestDelta]:
-        """update -> (speculation: controller, drafts for the next step) -> deltas.
-        `spec_pending`: the step was an overlapped speculative one, which drafted for the
-        next step itself (on the device)."""
+        """update -> (speculation: the controller's figures and decision) -> deltas.
+        `spec_pending`: the step was an overlapped speculative one."""
         updated = self.scheduler.update(batch, output)
         if self.spec is not None:
             controller = self.spec.controller
-            ran_speculating = controller.enabled  # the state this step ran in
-            if spec_pending is not None:
-                ran_speculating = True
-                spec_pending.after_update()
-            # Drafts for the next step: after update, which consumes the previous drafts
-            # and appends the tokens the drafts continue from.
+            # The state this step ran in (an overlapped step was launched before the last
+            # decision: whether it verified or drafted).
+            ran_speculating = (controller.enabled if spec_pending is None
+                               else spec_pending.speculates)
             _log_switch(self.spec.update_controller(self.scheduler.num_running))
-            if spec_pending is None:
-                self.spec.propose(updated)
             step_s = self._step_time(t0)
             # Every step is a sample of the state it ran in, prefill and all (drafting for
             # the next step included): what a mode yields is its regime's throughput, request
@@ -318,7 +317,7 @@ class EngineCore:
             self.add_request(f"__warmup{i}", ids, params)
         while self.has_unfinished():
             self.step()
-        if self.runner.compiled_decode is not None:
+        if self.runner.backend.compiles:
             self._warm_compiled(ids)
         if self.spec is not None:
             self.spec.controller.forget_measurements()  # warm-up steps are not the workload
@@ -401,17 +400,11 @@ def _log_switch(event: SpecEvent | None) -> None:
 
 
 def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
-    """The target's graphs and the draft loop's, or the compiled CPU decode, for status
-    ("off" without either)."""
-    if runner.compiled_decode is not None:
-        if spec is not None and spec.compiled_draft is not None:
-            return f"{runner.compiled_decode.status()} | {spec.compiled_draft.status()}"
-        return runner.compiled_decode.status()
-    if runner.graphs is None:
-        return "off"
-    parts = [runner.graphs.status()]
-    if spec is not None and spec.draft_graphs is not None:
-        parts.append(spec.draft_graphs.status())
+    """The target's backend (captured graphs, compiled CPU steps) and the draft loop's, for
+    status ("off" when nothing is captured or compiled)."""
+    parts = [runner.backend.status()]
+    if spec is not None and spec.drafter.loop_runner.status():
+        parts.append(spec.drafter.loop_runner.status())
     return " | ".join(parts)
 
 

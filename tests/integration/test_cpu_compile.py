@@ -1,5 +1,6 @@
 """`--cpu-compile`: decode and verify steps on the CPU as one compiled function
-(workers/cpu_decode.py), and the draft loop as another (workers/spec/cpu_draft.py).
+(workers/cpu_decode.py), and the draft loop as another (workers/cpu_draft.py): the CPU
+backend's compiled paths (workers/cpu_backend.py).
 
 The compiled steps and drafts give the eager engine's greedy output token for token
 (float32), with the draft head's aux rows kept for speculation, verify steps, arrivals, an
@@ -12,13 +13,31 @@ the README's test command leaves out and CI runs after the rest (.ci/run).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
 from scenario import assert_same, run
 
 from specd.workers.config import EngineConfig
+from specd.workers.cpu_backend import CpuBackend
 from specd.workers.cpu_decode import _new_rows_mask, attend_history_and_new
+from specd.workers.cpu_draft import CompiledDraftLoop
+from specd.workers.engine import EngineCore
+
+
+def _cpu_backend(core: EngineCore) -> CpuBackend:
+    backend = core.runner.backend
+    assert isinstance(backend, CpuBackend)
+    return backend
+
+
+def _compiled_draft_loop(core: EngineCore) -> CompiledDraftLoop:
+    """The compiled draft loop the worker drafts through (no CUDA graphs on the CPU)."""
+    assert core.spec is not None
+    loop = core.spec.drafter.loop_runner
+    assert isinstance(loop, CompiledDraftLoop)
+    return loop
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +53,23 @@ def test_compiled_decode_gives_the_eager_engines_output(eager: dict[str, list[in
     got, core = run(False, cpu_compile=True, spec_mode="auto",
                     spec_disable_batch_threshold=2, spec_auto_measure=False, num_kv_blocks=10)
     assert_same(got, eager)
-    compiled = core.runner.compiled_decode
+    backend = _cpu_backend(core)
+    compiled = backend.compiled_decode
     assert compiled is not None and compiled.error is None
     assert compiled.num_steps > 20  # plain decode steps compiled
     # Requests finished and joined while others decoded, so some steps ran in the kept
     # copy's row order rather than the batch's (decode_stage.py).
     assert compiled.num_row_order_steps > 0
     # and a prefill joining the decoding batch ran beside a compiled decode, not eagerly
-    assert core.runner.num_split_steps > 0
+    assert backend.num_split_steps > 0
     assert compiled.num_verify_steps > 0  # and verify steps
     assert core.scheduler.num_preemptions > 0
     assert core.stats().num_accepted > 0  # drafts made from the compiled steps' aux rows
     assert core.resolved.graphs.startswith("cpu compiled decode (")
     # The draft loop is compiled too (no CUDA graphs on the CPU), and drafted every tree.
-    assert core.spec is not None and core.spec.compiled_draft is not None
-    assert core.spec.compiled_draft.error is None
-    assert core.spec.compiled_draft.num_calls > 0
+    draft_loop = _compiled_draft_loop(core)
+    assert draft_loop.error is None
+    assert draft_loop.num_calls > 0
     assert core.resolved.graphs.endswith("| draft loop compiled")
 
 
@@ -61,11 +81,11 @@ def test_compiled_verify_and_draft_loop_under_overlapped_speculation(
     # the draft loop starts from roots the device computed; a tiny cache preempts.
     got, core = run(True, cpu_compile=True, spec_mode="on", num_kv_blocks=10)
     assert_same(got, eager)
-    compiled = core.runner.compiled_decode
+    compiled = _cpu_backend(core).compiled_decode
     assert compiled is not None and compiled.error is None
     assert compiled.num_verify_steps > 0
-    assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
-    assert core.spec.compiled_draft is not None and core.spec.compiled_draft.num_calls > 0
+    assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
+    assert _compiled_draft_loop(core).num_calls > 0
     assert core.scheduler.num_preemptions > 0
 
 
@@ -129,20 +149,27 @@ def _is_ancestor(parents: list[int], j: int, i: int) -> bool:
 
 def test_a_failed_draft_loop_compilation_is_logged_once_and_drafting_goes_on_eagerly(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from specd.workers.spec.cpu_draft import CompiledDraftLoop
     from specd.workers.spec.draft_graphs import DraftInputs
 
     def broken(*args: object) -> None:
         raise RuntimeError("C++ compile error: no compiler")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
-    compiled = CompiledDraftLoop(lambda inputs: pytest.fail("the eager loop is the caller's"))
+    eager_outputs: Any = object()  # what the eager loop returns, whatever it is
+    eager_calls: list[DraftInputs] = []
+
+    def eager_loop(inputs: DraftInputs) -> Any:
+        eager_calls.append(inputs)
+        return eager_outputs
+
+    compiled = CompiledDraftLoop(eager_loop)
     inputs = DraftInputs(last_out=torch.zeros(1, 8), prefix_slots=torch.zeros(1, 4).long(),
                          prefix_ok=torch.ones(1, 4, dtype=torch.bool),
                          roots=torch.zeros(1).long(), root_ids=torch.zeros(1).long())
     with caplog.at_level(logging.ERROR, logger="specd.cpu_draft"):
-        assert compiled.run(inputs) is None  # the caller drafts eagerly
-        assert compiled.run(inputs) is None
+        assert compiled.run(inputs) is eager_outputs  # drafting goes on eagerly
+        assert compiled.run(inputs) is eager_outputs
+    assert len(eager_calls) == 2 and compiled.num_calls == 0
     records = [r for r in caplog.records if getattr(r, "event", "") == "cpu_compile_failed"]
     assert len(records) == 1 and records[0].exc_info is not None
     assert compiled.status().startswith("draft loop eager (compilation failed")

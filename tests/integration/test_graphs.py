@@ -15,7 +15,21 @@ from scenario import MODES, assert_same, run
 
 from specd.workers import graphs as graphs_module
 from specd.workers.engine import EngineCore
-from specd.workers.graphs import GraphShape
+from specd.workers.graph_backend import GraphBackend, GraphDraftLoop
+from specd.workers.graphs import GraphRunner, GraphShape
+from specd.workers.spec.draft_graphs import DraftGraphs
+
+
+def _graphs(core: EngineCore) -> GraphRunner | None:
+    """The target's captured forwards, if the runner's backend is the graph backend."""
+    backend = core.runner.backend
+    return backend.graphs if isinstance(backend, GraphBackend) else None
+
+
+def _draft_graphs(core: EngineCore) -> DraftGraphs | None:
+    """The captured draft loops, if the worker drafts through them."""
+    loop = None if core.spec is None else core.spec.drafter.loop_runner
+    return loop.graphs if isinstance(loop, GraphDraftLoop) else None
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +45,7 @@ def test_graph_replay_gives_the_eager_engines_output(
     # max_num_seqs 6: captured at 1, 2, 4 and 6, so batches of 3 and 5 are padded.
     got, core = run(overlap, cuda_graphs=True, max_num_seqs=6, **MODES[mode])
     assert_same(got, eager)
-    graphs = core.runner.graphs
+    graphs = _graphs(core)
     assert graphs is not None and graphs.error is None
     decode = [s for s in graphs.replays if s.query_len == 1]
     verify = [s for s in graphs.replays if s.query_len > 1]
@@ -40,9 +54,9 @@ def test_graph_replay_gives_the_eager_engines_output(
     assert all(s.tree_mask == (mode == "tree") for s in verify)
     assert any(s.num_seqs in (4, 6) for s in graphs.replays), "no step was padded"
     if mode in ("chain", "tree", "auto-threshold"):
-        assert core.spec is not None and core.spec.draft_graphs is not None
-        assert core.spec.draft_graphs.error is None
-        assert sum(core.spec.draft_graphs.replays.values()) > 0  # the draft loop replayed
+        draft_graphs = _draft_graphs(core)
+        assert draft_graphs is not None and draft_graphs.error is None
+        assert sum(draft_graphs.replays.values()) > 0  # the draft loop replayed
     assert graphs.num_eager > 0  # prefill chunks are never captured
 
 
@@ -50,14 +64,15 @@ def test_graph_replay_under_preemption(eager: dict[str, list[int]]) -> None:
     for options in ({"speculative_algorithm": None}, {"spec_mode": "on"}):
         got, core = run(True, cuda_graphs=True, num_kv_blocks=10, **options)
         assert core.scheduler.num_preemptions > 0
-        assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0
+        graphs = _graphs(core)
+        assert graphs is not None and graphs.num_replays > 0
         assert_same(got, eager)
 
 
 def test_padding_rows_touch_only_the_spare_block(eager: dict[str, list[int]]) -> None:
     def poison_spare_block(core: EngineCore) -> None:
-        runner = core.runner
-        assert runner.graphs is not None and runner.graphs.pad_block == runner.num_kv_blocks
+        runner, graphs = core.runner, _graphs(core)
+        assert graphs is not None and graphs.pad_block == runner.num_kv_blocks
         for layer in runner.kv_caches:
             assert layer.shape[1] == runner.num_kv_blocks + 1  # the scheduler's blocks + 1
             layer[:, runner.num_kv_blocks] = float("nan")
@@ -85,7 +100,7 @@ def test_status_names_the_captured_shapes_and_their_memory() -> None:
 
 def test_graphs_off_by_default_on_the_cpu() -> None:
     _, core = run(False, speculative_algorithm=None)
-    assert core.runner.graphs is None and core.resolved.graphs == "off"
+    assert _graphs(core) is None and core.resolved.graphs == "off"
 
 
 @pytest.mark.parametrize("fixed_blocks", [None, 64], ids=["budget", "num_kv_blocks"])
@@ -110,7 +125,8 @@ def test_a_failed_capture_is_logged_and_the_engine_runs_eagerly(
     assert status.startswith("eager (capture of GraphShape(")
     assert "operation not permitted" in status
     assert (" | draft loop eager (capture of (" in status) == (mode == "chain")
-    assert core.runner.graphs is not None and core.runner.graphs.num_replays == 0
+    graphs = _graphs(core)
+    assert graphs is not None and graphs.num_replays == 0
     assert_same(got, eager)
 
 
@@ -166,10 +182,10 @@ def test_cuda_graphs_give_the_eager_output_at_captured_sizes(mode: str) -> None:
                               spec_auto_measure=False, **MODES[mode])
         done = engine.generate(prompts, specd.SamplingParams(max_tokens=48, ignore_eos=True))
         outs[graphs] = [o.token_ids for o in done]
-        runner = engine.core.runner
+        captured = _graphs(engine.core)
         if graphs:
-            assert runner.graphs is not None and runner.graphs.error is None
-            assert runner.graphs.num_replays > 0
+            assert captured is not None and captured.error is None
+            assert captured.num_replays > 0
             assert engine.core.resolved.graphs.startswith("cuda: decode at 1,2,4,8")
             assert engine.core.resolved.graph_memory_bytes > 0
     assert outs[True] == outs[False]
@@ -183,7 +199,8 @@ def test_cuda_graph_replay_in_the_mixed_scenario() -> None:
                       speculative_algorithm=None)
     got, core = run(True, device="cuda", dtype="bfloat16", cuda_graphs=True,
                     speculative_algorithm=None)
-    assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0
+    graphs = _graphs(core)
+    assert graphs is not None and graphs.num_replays > 0
     same = sum(got[r] == expected[r] for r in expected)
     assert all(got[r][:4] == expected[r][:4] for r in expected)
     assert same >= len(expected) - 1

@@ -36,7 +36,7 @@ def test_overlap_on_gives_the_whole_step_engines_output(
         assert core.stats().num_accepted > 0
         # Speculative steps really overlapped: verifies launched before the host knew
         # where they start (the drafts and the accepted count of the step in flight).
-        assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+        assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
 
 
 def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[int]]) -> None:
@@ -45,7 +45,7 @@ def test_overlap_with_measured_auto_switching_often(whole_step: dict[str, list[i
     assert_same(got, whole_step)
     assert core.spec is not None and core.spec.controller.num_transitions >= 3
     assert core.runner.num_placeholders_resolved > 0
-    assert core.spec.launcher.num_lagged_verifies > 0
+    assert core.spec.verifier.num_lagged_verifies > 0
 
 
 def test_overlap_under_preemption(whole_step: dict[str, list[int]],
@@ -108,7 +108,7 @@ def test_overlapped_speculation_gives_the_whole_step_logprobs() -> None:
                 out[d.request_id][0].extend(d.new_token_ids)
                 out[d.request_id][1].extend(d.logprobs)
         if overlap:
-            assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+            assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
         return out
 
     whole, overlapped = generate(False), generate(True)
@@ -148,7 +148,7 @@ def test_overlap_on_cuda_gives_the_whole_step_output(mode: str) -> None:
     got, core = run(True, **dict(options))
     assert_same(got, expected)
     if mode in ("chain", "tree"):
-        assert core.spec is not None and core.spec.launcher.num_lagged_verifies > 0
+        assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
     else:
         assert core.runner.num_placeholders_resolved > 0
 
@@ -156,27 +156,24 @@ def test_overlap_on_cuda_gives_the_whole_step_output(mode: str) -> None:
 def test_each_verify_waits_for_the_drafts_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     # Drafting runs on its own stream (a synchronous stand-in here): every verify must be
     # ordered after a draft section issued since the previous verify, and only then run.
-    # Both paths: whole steps (SpeculativeWorker) and overlapped ones (SpecLauncher).
-    from specd.workers.spec.overlap import SpecLauncher
-    from specd.workers.spec.worker import SpeculativeWorker
+    # Both ways of running the one pipeline: whole steps and overlapped ones.
+    from specd.workers.spec.verify import Verifier
 
     order_at_verify: list[tuple[str, int]] = []
-    real_whole, real_overlapped = SpeculativeWorker._verify, SpecLauncher._verify
+    cores: list[EngineCore] = []
+    real = Verifier.verify
 
-    def verify_whole(self: SpeculativeWorker, *args: Any) -> None:
-        order_at_verify.append(self.streams.order[-1])
-        real_whole(self, *args)
+    def verify(self: Verifier, *args: Any) -> Any:
+        spec = cores[-1].spec
+        assert spec is not None
+        order_at_verify.append(spec.streams.order[-1])
+        return real(self, *args)
 
-    def verify_overlapped(self: SpecLauncher, *args: Any) -> Any:
-        order_at_verify.append(self.worker.streams.order[-1])
-        return real_overlapped(self, *args)
-
-    monkeypatch.setattr(SpeculativeWorker, "_verify", verify_whole)
-    monkeypatch.setattr(SpecLauncher, "_verify", verify_overlapped)
+    monkeypatch.setattr(Verifier, "verify", verify)
     for overlap in (False, True):
         order_at_verify.clear()
         _, core = run(overlap, spec_mode="on", spec_topk=3, spec_num_steps=3,
-                      spec_num_draft_tokens=8)
+                      spec_num_draft_tokens=8, _after_build=cores.append)
         assert core.spec is not None
         assert len(order_at_verify) >= 10
         _check_each_verify_waits_for_a_new_section(order_at_verify)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specd.workers.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.cpu_backend import CpuBackend
 from specd.workers.decode_stage import DecodeStage, assign_rows
 
 BLOCK_SIZE = 4
@@ -144,7 +145,9 @@ def test_plain_engine_steps_use_the_stage() -> None:
 
     engine = specd.Engine(None, dtype="float32", spec_mode="off")
     engine.generate(["def f(x):\n", "import os\n"], specd.SamplingParams(max_tokens=12))
-    stage = engine.core.runner.decode_stage
+    backend = engine.core.runner.backend
+    assert isinstance(backend, CpuBackend)
+    stage = backend.stage
     assert stage is not None and stage.num_appends > 0
 
 

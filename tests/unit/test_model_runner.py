@@ -12,6 +12,7 @@ import torch
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import EngineConfig
+from specd.workers.cpu_backend import CpuBackend
 from specd.workers.kv_cache import kv_block_bytes
 from specd.workers.model_runner import ModelRunner, prepare_inputs
 from specd.workers.sequence import Sequence
@@ -187,5 +188,6 @@ def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) ->
         x = torch.randn(*shape, dtype=torch.bfloat16)
         torch.testing.assert_close(packed(x), linear(x), atol=0, rtol=0)
     # A bf16 runner on the CPU packs every dense linear; a float32 one keeps nn.Linear.
-    assert make_runner(model_dir, dtype="bfloat16").num_packed_linears == 2 * 4 + 1
-    assert make_runner(model_dir).num_packed_linears == 0
+    for dtype, expected in (("bfloat16", 2 * 4 + 1), ("float32", 0)):
+        backend = make_runner(model_dir, dtype=dtype).backend
+        assert isinstance(backend, CpuBackend) and backend.num_packed_linears == expected

@@ -1,17 +1,19 @@
 """Drafting on its own CUDA stream, verification on the main one, ordered by events.
 
-Order of a speculative step (see worker.py): `propose` drafts (catch-up of the draft K/V,
-then the draft loop) inside `drafting()`, which first makes the draft stream wait for
-everything the main stream has issued (the verify whose aux rows and accepted tokens the
-drafts start from) and at its end records an event; `execute` calls `wait_for_drafts()`
-before the verify forward, so the main stream waits for that event, never for the whole
-device. Work queued on the main stream meanwhile (plain rows' sampling, the next prefill
-chunk's uploads) is free to run beside the drafts.
+Order of a speculative step (see worker.py): the worker catches up the draft K/V and runs
+the draft loop inside `drafting()`, which first makes the draft stream wait for everything
+the main stream has issued (the verify whose aux rows and accepted tokens the drafts start
+from) and at its end records an event; the next launch calls `wait_for_drafts()` before its
+verify forward, so the main stream waits for that event, never for the whole device. Work
+queued on the main stream meanwhile (the next step's uploads and plain rows) is free to
+run beside the drafts.
 
-Memory: `propose` ends by reading the drafts on the host (the scheduler needs them as
-token ids), so by the time it returns every tensor the draft stream used is finished with
-and the caching allocator may hand its memory to either stream. Keeping drafts on the
-device (no host read) would need `Tensor.record_stream` on what crosses streams.
+Memory: the drafts stay on the device (`DraftFutures`), and the step's own tensors that the
+draft stream reads are kept alive by its `PendingSpec` until it is resolved, which reads
+the draft loop's checks (and so waits for the draft stream) after the next step was
+launched and ordered after the drafts: the caching allocator cannot hand their memory to
+the main stream while the drafts still read it; what the main stream made and the drafts
+read (the verify's aux rows, the acceptance) is marked with `reads`.
 
 On the CPU both are synchronous stand-ins; the order of sections and waits is recorded
 the same way on both, so tests check it in CI.
@@ -49,6 +51,14 @@ class DraftStreams:
             yield
         self._drafted = torch.cuda.Event()
         self._drafted.record(self.stream)
+
+    def reads(self, tensors: list[torch.Tensor]) -> None:
+        """Tensors the main stream made that the draft section reads (call inside
+        `drafting()`): their memory is not handed out again before the draft stream has
+        run past this point (CUDA's `record_stream`; nothing to do on the CPU)."""
+        if self.stream is not None:
+            for t in tensors:
+                t.record_stream(self.stream)
 
     def wait_for_drafts(self) -> None:
         """Order the main stream after the last draft section (before a verify forward)."""

@@ -1,42 +1,40 @@
-"""The draft loop on the CPU as one compiled function (`--cpu-compile`).
+"""The draft loop on the CPU as one compiled function (`--cpu-compile`; part of the CPU
+backend, cpu_backend.py).
 
 At batch 1 the draft loop is five head forwards of a handful of small ops each, plus the
 tree bookkeeping: ~40% of a speculative step on the fixture, mostly per-op overhead, as
 plain decode was before `cpu_decode.py`. On CUDA the loop is a captured graph
-(`draft_graphs.py`); on the CPU, with `--cpu-compile`, it is compiled by torch.compile
+(`spec/draft_graphs.py`); on the CPU, with `--cpu-compile`, it is compiled by torch.compile
 (inductor) instead. Batch size and prefix width are dynamic, so one compilation serves
 every width at batch 1 and one every batch above (both made in the warm-up).
 
-Contract: `run(inputs)` returns what `SpeculativeWorker.draft_loop(inputs)` returns, or
-None if compilation failed (one ERROR record with the traceback; every later call returns
-None at once and the caller drafts eagerly; `status` says why).
+Contract: `run(inputs)` returns what the loop returns for `inputs`. A compilation that
+fails is not swallowed: one ERROR record with the traceback, then every call runs the loop
+eagerly and `status` says why.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
+from specd.workers.backend import DraftLoop, DraftLoopRunner
 from specd.workers.cpu_decode import report_compile_failure
-from specd.workers.spec.draft_graphs import DraftInputs
-from specd.workers.spec.tree import DraftTree
+from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 
 log = logging.getLogger("specd.cpu_draft")
 
-DraftLoop = Callable[[DraftInputs], tuple[DraftTree, torch.Tensor]]
 
-
-class CompiledDraftLoop:
-    """`loop` (the worker's `draft_loop`) compiled for the CPU."""
+class CompiledDraftLoop(DraftLoopRunner):
+    """`loop` (the drafter's `draft_loop`) compiled for the CPU, eager if that failed."""
 
     def __init__(self, loop: DraftLoop) -> None:
-        self._loop = loop
+        self.loop = loop
 
         def tensors_in(last_out: torch.Tensor, prefix_slots: torch.Tensor,
                        prefix_ok: torch.Tensor, roots: torch.Tensor, root_ids: torch.Tensor
-                       ) -> tuple[DraftTree, torch.Tensor]:
+                       ) -> DraftOutputs:
             return loop(DraftInputs(last_out=last_out, prefix_slots=prefix_slots,
                                     prefix_ok=prefix_ok, roots=roots, root_ids=root_ids))
 
@@ -46,9 +44,13 @@ class CompiledDraftLoop:
             tensors_in, dynamic=None,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.error: str | None = None
-        self.num_calls = 0
+        self.num_calls = 0  # loops that ran compiled
 
-    def run(self, inputs: DraftInputs) -> tuple[DraftTree, torch.Tensor] | None:
+    def run(self, inputs: DraftInputs) -> DraftOutputs:
+        result = self._run_compiled(inputs)
+        return self.loop(inputs) if result is None else result
+
+    def _run_compiled(self, inputs: DraftInputs) -> DraftOutputs | None:
         if self.error is not None:
             return None
         args = (inputs.last_out, inputs.prefix_slots, inputs.prefix_ok, inputs.roots,
