@@ -302,7 +302,10 @@ class Front:
         else:
             request.unsent_token_ids.extend(delta.new_token_ids)
             request.unsent_logprobs.extend(logprobs)
-        if delta.finish_reason is not None:
+        if delta.error is not None:
+            # A failed step was blamed on this request: the engine ended it, others go on.
+            self._end_with_error(request, "internal_error", delta.error, abort=False)
+        elif delta.finish_reason is not None:
             self._finish(request, delta.finish_reason, delta)
         elif request.detokenizer.is_stopped:
             self._abort_in_scheduler([request.request_id])

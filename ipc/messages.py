@@ -262,7 +262,9 @@ class SchedulerFailed(_Link, frozen=True, tag="failed"):
 
 
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """One request's share of a step (see workers.engine.RequestDelta); figures cumulative."""
+    """One request's share of a step (see workers.engine.RequestDelta); figures cumulative.
+    `error` (with finish_reason "error"): a failed step was blamed on this request, which
+    ends with it (the one-line summary of the exception; the scheduler's log has more)."""
 
     request_id: str
     new_token_ids: list[int] = []
@@ -273,6 +275,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     num_drafted: int = 0
     num_accepted: int = 0
     logprobs: list[Logprob] = []
+    error: str | None = None
 
 
 class StepOutput(_Link, frozen=True, tag="step"):

@@ -2,11 +2,13 @@
 in-process API (`engine_api.Engine`).
 
 One step reads `schedule -> execute -> update`; features (the speculative worker, the
-controller) are objects behind `execute`, not branches in the loop.
+controller) are objects behind `execute`, not branches in the loop. A step that raises is
+isolated (workers/isolation.py): the request that caused it fails, the others go on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,26 +16,29 @@ from dataclasses import dataclass, field
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig, EngineResolved
+from specd.workers.engine_setup import (
+    build_speculative,
+    engine_resolved,
+    log_switch,
+    max_model_len,
+    warm_up,
+)
+from specd.workers.isolation import Isolation, describe
 from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner, PendingOutput
 from specd.workers.scheduler import Scheduler
+from specd.workers.sequence import FinishReason
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.spec.controller import SpecController, SpecEvent
-from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
-from specd.workers.spec.step import PendingSpec
-from specd.workers.spec.worker import (
-    SpecFigures,
-    SpeculativeWorker,
-    read_draft_config,
-    verify_query_len,
-)
+from specd.workers.spec.overlap import PendingSpec
+from specd.workers.spec.worker import SpecFigures, SpeculativeWorker
 
 log = logging.getLogger("specd.engine")
 
 
 @dataclass(frozen=True)
 class RequestDelta:
-    """What one step produced for one request. Figures are cumulative for the request."""
+    """What one step produced for one request. Figures are cumulative for the request.
+    `error`: set, with finish reason "error", when a failed step was blamed on it."""
 
     request_id: str
     new_token_ids: list[int]
@@ -44,6 +49,7 @@ class RequestDelta:
     logprobs: list[TokenLogprobs]
     num_drafted: int = 0
     num_accepted: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class EngineStats:
     # auto's measured output tokens/s per batch-size bucket: "4-7" -> [on, off] (0 = not
     # measured yet), so `specctl stats` shows why it speculates or not.
     spec_measured_tok_s: dict[str, list[float]] = field(default_factory=dict)
+    num_step_failures: int = 0  # failed steps blamed on requests (workers/isolation.py)
+    num_requests_failed: int = 0  # requests those failures ended with an error
 
 
 class EngineCore:
@@ -92,10 +100,10 @@ class EngineCore:
         self.model_config = ModelConfig.from_dir(config.model_path)
         # Without a draft model the runner runs steps itself; with one, the speculative
         # worker wraps it (and the runner captures the head's hidden states every step).
-        self.spec: SpeculativeWorker | None = _build_speculative(config, self.model_config)
+        self.spec: SpeculativeWorker | None = build_speculative(config, self.model_config)
         self.runner = (self.spec.runner if self.spec is not None
                        else ModelRunner(config, self.model_config))
-        self.max_model_len = _max_model_len(config, self.model_config, self.runner.num_kv_blocks)
+        self.max_model_len = max_model_len(config, self.model_config, self.runner.num_kv_blocks)
         self.scheduler = Scheduler(
             config, self.runner.num_kv_blocks, self.max_model_len, self.model_config.eos_token_ids
         )
@@ -109,27 +117,16 @@ class EngineCore:
         self._num_emitted: dict[str, int] = {}
         self._num_steps = 0
         self._num_generated = 0
+        self.isolation = Isolation()
+        self._outbox: list[RequestDelta] = []  # the deltas of the step call in progress
+        # The batches that call scheduled or resolved: the failed step(s) if it raises.
+        self._attempted: list[ScheduledBatch] = []
 
     @property
     def resolved(self) -> EngineResolved:
         """What the engine found at start-up (and what its graphs or compiled decode came
         to, which warm-up may change: a compilation that failed)."""
-        config = self.config
-        return EngineResolved(
-            model_name=config.model_path.name,
-            num_kv_blocks=self.runner.num_kv_blocks,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            dtype=self.runner.dtype_name,
-            device=config.device,
-            eos_token_ids=self.model_config.eos_token_ids,
-            speculative=self.spec is not None,
-            overlap_schedule=config.overlap_enabled,
-            graphs=_graphs_status(self.runner, self.spec),
-            graph_memory_bytes=(
-                self.runner.backend.memory_bytes
-                + (0 if self.spec is None else self.spec.drafter.loop_runner.memory_bytes)),
-        )
+        return engine_resolved(self)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -158,7 +155,8 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or self.isolation.is_active)
 
     def step(self) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
@@ -166,85 +164,142 @@ class EngineCore:
 
         With overlap scheduling the step is split: schedule and launch step N, then
         process step N - 1's results (which the host reads only now), so the deltas lag
-        one call behind. Speculative steps overlap too (spec/worker.py: accepted counts
-        and drafts stay on the device); speculation turned off drains the step in flight
-        and runs one whole step (see `_can_overlap`).
+        one call behind. Speculative steps overlap too (spec/overlap.py: accepted counts
+        and drafts stay on the device); a change of speculation state drains the step in
+        flight and runs one whole step (see `_overlap_kind`).
+
+        A step that raises is isolated (workers/isolation.py): the request it is blamed
+        on gets a last delta with finish reason "error" and `error` set; StepFailed when
+        no request can be blamed.
         """
-        if self.overlap and self._can_overlap():
-            return self._step_overlapped()
-        deltas = self._drain()
+        self._attempted = []
+        num_steps = self._num_steps
+        alone = self.isolation.next_alone(self.scheduler.sequences)
+        try:
+            if alone is not None:
+                self._step_whole(alone)
+            else:
+                self._step_batched()
+        except Exception as exc:  # noqa: BLE001 - blamed on a request, or StepFailed
+            self._recover(exc, alone)
+        else:
+            self.isolation.after_step(self.scheduler.sequences, self._num_steps > num_steps)
+        for request_id, error in self.isolation.take_culprits().items():
+            seq = self.scheduler.abort(request_id, FinishReason.ERROR)
+            if seq is not None:  # not aborted meanwhile
+                self._outbox.append(dataclasses.replace(self._delta(seq, []),
+                                                        error=describe(error)))
+        deltas, self._outbox = self._outbox, []
+        return deltas
+
+    def _step_batched(self) -> None:
+        kind = self._overlap_kind() if self.overlap else None
+        if kind is not None:
+            self._step_overlapped(kind)
+            return
+        self._drain()
         # The next step runs from what the host knows: drafts made on the device by the
         # step just drained are not verified (the sequences decode one plain step).
         self.scheduler.drop_lagged_drafts()
-        return deltas + self._step_whole()
+        self._step_whole()
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step can be launched before the one in flight is read. Not
-        while speculation is off and the step in flight drafted on the device (the verifies
-        of those drafts could not be scheduled without drafting again), nor while drafts
-        the host knows wait (a whole step verifies them): drain, and run a whole step."""
-        if self.spec is None or self.spec.controller.enabled:
-            return True
+    def _recover(self, error: Exception, alone: str | None) -> None:
+        """After a step raised: blame it (StepFailed if no request can be), drop what was
+        in flight and reset the scheduler, and report what the failed step(s) applied
+        before raising (tokens, finished sequences: without log-probs)."""
+        if self._in_flight is not None:
+            self._attempted.append(self._in_flight.batch)
+        seqs: dict[str, Seq] = {}
+        for batch in self._attempted:
+            for item in batch.scheduled:
+                seqs.setdefault(item.seq.request_id, item.seq)
+        arrival = self.scheduler.arrival_index
+        suspects = sorted((r for r in seqs if r in arrival), key=arrival.__getitem__)
+        self.isolation.on_failure(error, alone, suspects)
+        self._in_flight = None
+        self.scheduler.reset_after_failure()
+        if self.spec is not None:
+            for request_id in self.scheduler.sequences:
+                self.spec.drop_pending(request_id)
+        self.runner.invalidate_decode_stage()
+        for seq in seqs.values():
+            emitted = self._num_emitted.get(seq.request_id)
+            if emitted is not None and (seq.is_finished or seq.num_output_tokens > emitted):
+                self._outbox.append(self._delta(seq, []))
+
+    def _overlap_kind(self) -> str | None:
+        """How the next step overlaps the one in flight: "plain", "spec", or None (drain
+        it and run a whole step): speculation was switched since the step in flight was
+        launched, or plain steps resume while drafts `propose` made wait on the host."""
+        if self.spec is None:
+            return "plain"
         in_flight = self._in_flight
-        if (in_flight is not None and isinstance(in_flight.pending, PendingSpec)
-                and in_flight.pending.drafted is not None):
-            return False
-        return not any(s.spec_token_ids for s in self.scheduler.running)
+        spec_in_flight = in_flight is not None and isinstance(in_flight.pending, PendingSpec)
+        if self.spec.controller.enabled:
+            return "spec" if in_flight is None or spec_in_flight else None
+        if spec_in_flight or any(s.spec_token_ids for s in self.scheduler.running):
+            return None
+        return "plain"
 
-    def _step_overlapped(self) -> list[RequestDelta]:
+    def _step_overlapped(self, kind: str) -> None:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
+            self._attempted.append(batch)
             pending: PendingOutput | PendingSpec
-            pending = (self.runner.launch(batch) if self.spec is None
-                       else self.spec.launch(batch))
+            if self.spec is None:
+                pending = self.runner.launch(batch)
+            elif kind == "spec":
+                pending = self.spec.launcher.launch(batch)
+            else:
+                pending = self.spec.launch_plain(batch)
             launched = _InFlight(batch, pending, t0)
-        deltas = self._drain()
-        if self.spec is not None:
-            # Drafts for the sequences of the step just launched (made by it, or by the
-            # controller turning speculation on in `_drain`) stay on the device: the next
-            # step verifies them lagged.
-            self.scheduler.update_draft_token_ids(
-                self.spec.take_draft_token_ids(on_device=True))
+        self._drain()
         self._in_flight = launched
-        return deltas
 
-    def _drain(self) -> list[RequestDelta]:
+    def _drain(self) -> None:
         """Process the step in flight, if any (its results reach the host here)."""
         if self._in_flight is None:
-            return []
+            return
         in_flight, self._in_flight = self._in_flight, None
+        self._attempted.append(in_flight.batch)
         pending = in_flight.pending
-        return self._finish(in_flight.batch, pending.resolve(), in_flight.t0,
-                            pending if isinstance(pending, PendingSpec) else None)
+        self._finish(in_flight.batch, pending.resolve(), in_flight.t0,
+                     pending if isinstance(pending, PendingSpec) else None)
 
-    def _step_whole(self) -> list[RequestDelta]:
+    def _step_whole(self, alone: str | None = None) -> None:
+        """One step, launched and resolved at once: of every request, or of `alone` only."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = (self.scheduler.schedule() if alone is None
+                 else self.scheduler.schedule_alone(alone))
         if batch.is_empty:
-            return []
+            return
+        self._attempted.append(batch)
         output = (self.runner.execute(batch) if self.spec is None
                   else self.spec.execute(batch))
-        deltas = self._finish(batch, output, t0)
-        if self.spec is not None:
-            # Its drafts, read on the host: after update, which consumed the previous ones.
-            self.scheduler.update_draft_token_ids(
-                self.spec.take_draft_token_ids(on_device=False))
-        return deltas
+        self._finish(batch, output, t0)
 
     def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float,
-                spec_pending: PendingSpec | None = None) -> list[RequestDelta]:
-        """update -> (speculation: the controller's figures and decision) -> deltas.
-        `spec_pending`: the step was an overlapped speculative one."""
+                spec_pending: PendingSpec | None = None) -> None:
+        """update -> deltas (to the outbox at once: a later part of the step that raises
+        does not lose them) -> speculation: controller, drafts for the next step.
+        `spec_pending`: the step was an overlapped speculative one, which drafted for the
+        next step itself (on the device)."""
         updated = self.scheduler.update(batch, output)
+        self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
+                         for seq in updated]
         if self.spec is not None:
             controller = self.spec.controller
-            # The state this step ran in (an overlapped step was launched before the last
-            # decision: whether it verified or drafted).
-            ran_speculating = (controller.enabled if spec_pending is None
-                               else spec_pending.speculates)
-            _log_switch(self.spec.update_controller(self.scheduler.num_running))
+            ran_speculating = controller.enabled  # the state this step ran in
+            if spec_pending is not None:
+                ran_speculating = True
+                spec_pending.after_update()
+            # Drafts for the next step: after update, which consumes the previous drafts
+            # and appends the tokens the drafts continue from.
+            log_switch(self.spec.update_controller(self.scheduler.num_running))
+            if spec_pending is None:
+                self.spec.propose(updated)
             step_s = self._step_time(t0)
             # Every step is a sample of the state it ran in, prefill and all (drafting for
             # the next step included): what a mode yields is its regime's throughput, request
@@ -255,7 +310,6 @@ class EngineCore:
         else:
             self._step_time(t0)
         self._num_steps += 1
-        return [self._delta(seq, output.logprobs.get(seq.request_id, [])) for seq in updated]
 
     def _step_time(self, t0: float) -> float:
         """The finished step's share of wall time: since the previous step finished if that
@@ -307,41 +361,12 @@ class EngineCore:
                 raise ValueError(f"spec mode {mode!r} needs a draft model; this engine has "
                                  "none (speculative_algorithm or draft_model unset)")
             return
-        _log_switch(self.spec.controller.set_mode(mode, threshold))
+        log_switch(self.spec.controller.set_mode(mode, threshold))
 
     def warmup(self) -> None:
-        """Run every path once (prefill, decode, sampling) so the first request pays nothing."""
-        ids = [1, 2, 3]
-        for i, params in enumerate((SamplingParams(max_tokens=2),
-                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9))):
-            self.add_request(f"__warmup{i}", ids, params)
-        while self.has_unfinished():
-            self.step()
-        if self.runner.backend.compiles:
-            self._warm_compiled(ids)
-        if self.spec is not None:
-            self.spec.controller.forget_measurements()  # warm-up steps are not the workload
-
-    def _warm_compiled(self, ids: list[int]) -> None:
-        """Compile every step kind now, not at the first request that needs it: decode and
-        (with a head) verify, each at batch size 1 and >= 2 (cpu_decode.py). Speculation is
-        switched for this (logged, like every switch) and restored."""
-        controller = self.spec.controller if self.spec is not None else None
-        saved = None
-        if controller is not None:
-            saved = (controller.mode, controller.threshold, controller.resume_at)
-        for mode in ("off", "on") if controller is not None else ("off",):
-            if controller is not None:
-                _log_switch(controller.set_mode(mode))
-            for batch in (2, 1):
-                for i in range(batch):
-                    # Long enough for whole draft trees (shorter ones run eagerly).
-                    self.add_request(f"__warmup_{mode}_{batch}_{i}", ids,
-                                     SamplingParams(max_tokens=24, ignore_eos=True))
-                while self.has_unfinished():
-                    self.step()
-        if controller is not None and saved is not None:
-            _log_switch(controller.set_mode(*saved))
+        """Run every path once (prefill, decode, sampling; every compiled step kind) so the
+        first request pays nothing."""
+        warm_up(self)
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -367,65 +392,6 @@ class EngineCore:
             verify_s=fig.verify_s,
             catch_up_s=fig.catch_up_s,
             spec_measured_tok_s={} if controller is None else controller.measured_table(),
+            num_step_failures=self.isolation.num_step_failures,
+            num_requests_failed=self.isolation.num_requests_failed,
         )
-
-
-def _build_speculative(config: EngineConfig, model_config: ModelConfig
-                       ) -> SpeculativeWorker | None:
-    """The speculative worker (with its runner), or None without a draft model. Every
-    step raises out of here: an unreadable head, one that does not fit the target, a bad
-    controller configuration."""
-    path = config.draft_model_path
-    if config.speculative_algorithm is None or path is None:
-        return None
-    draft_config = read_draft_config(path)
-    aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
-    # The head's K/V cache has the target's blocks: its bytes come from the same budget.
-    runner = ModelRunner(config, model_config, capture_layers=aux_layers,
-                         verify_shape=(verify_query_len(config), config.spec_topk > 1),
-                         extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
-                                                      * draft_config.head_dim))
-    # The head shares the target's token embedding unless its checkpoint has its own.
-    head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
-                           device=runner.device)
-    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
-                                measure=config.spec_auto_measure)
-    return SpeculativeWorker(config, runner, head, controller)
-
-
-def _log_switch(event: SpecEvent | None) -> None:
-    """One record per speculation switch (with its cause and figures)."""
-    if event is not None:
-        log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
-
-
-def _graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
-    """The target's backend (captured graphs, compiled CPU steps) and the draft loop's, for
-    status ("off" when nothing is captured or compiled)."""
-    parts = [runner.backend.status()]
-    if spec is not None and spec.drafter.loop_runner.status():
-        parts.append(spec.drafter.loop_runner.status())
-    return " | ".join(parts)
-
-
-def _max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
-    """The longest sequence served: the configured value, else the model's limit capped by
-    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
-    limit = model_config.max_model_len
-    capacity = num_kv_blocks * config.block_size
-    if config.max_model_len is None:
-        if capacity < limit:
-            log.info("max_model_len capped by the KV cache", extra={
-                "event": "max_model_len_capped", "max_position_embeddings": limit,
-                "kv_capacity_tokens": capacity})
-        return min(limit, capacity)
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's "
-            f"limit {limit}")
-    if config.max_model_len > capacity:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the KV cache's capacity of "
-            f"{capacity} tokens ({num_kv_blocks} blocks of {config.block_size}); raise "
-            "kv_cache_memory_bytes or lower max_model_len")
-    return config.max_model_len

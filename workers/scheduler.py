@@ -39,30 +39,25 @@ the blocks appended cover the latest position the lagged verify can write; `upda
 takes the rejected back as above. A lagged verify that does not fit the budget or
 max_model_len at its latest start is not scheduled; its drafts are stale once the step
 in flight is read.
+
+A failed step (workers/isolation.py): `reset_after_failure` forgets every step scheduled
+but not applied and preempts every running sequence; `schedule_alone` then runs one
+sequence at a time to find the one that caused the failure.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import deque
 from dataclasses import dataclass
 
-from specd.workers.batch import DraftTokenIds, ModelOutput, ScheduledBatch, ScheduledSequence
+from specd.workers.batch import ModelOutput, ScheduledBatch, ScheduledSequence
 from specd.workers.block_manager import BlockManager, BlockManagerStats
 from specd.workers.config import EngineConfig
 from specd.workers.sequence import FinishReason, Sequence, SequenceStatus
 
-
-@dataclass(frozen=True)
-class PreemptionEvent:
-    """One preemption, for the engine to log as a structured event."""
-
-    request_id: str
-    step: int  # the scheduler step (0-based) that preempted it
-    num_tokens: int  # the sequence's tokens, all to be recomputed
-    num_computed_tokens: int  # how many were computed before the preemption
-    num_preemptions: int  # of this sequence so far, this one included
-    num_free_blocks: int  # after freeing its blocks
+log = logging.getLogger("specd.scheduler")
 
 
 @dataclass(frozen=True)
@@ -105,8 +100,7 @@ class Scheduler:
         self.arrival_index: dict[str, int] = {}
         self.num_added = 0
         self.num_steps = 0
-        self.num_preemptions = 0
-        self.preemption_events: list[PreemptionEvent] = []
+        self.num_preemptions = 0  # each is also one log record (event "preemption")
         self.last_batch = ScheduledBatch(scheduled=[])
         self.num_samples = 0  # sample ids handed out so far
 
@@ -138,23 +132,17 @@ class Scheduler:
         self.num_added += 1
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a waiting or running sequence with reason abort; None if it is unknown
-        or already finished."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+              ) -> Sequence | None:
+        """Finish a waiting or running sequence now with `reason` (abort, or error for the
+        request a failed step is blamed on); None if it is unknown or already finished."""
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self._release(seq)
         return seq
-
-    def take_preemption_events(self) -> list[PreemptionEvent]:
-        """The preemptions since the last call (the engine logs each as an event)."""
-        events, self.preemption_events = self.preemption_events, []
-        return events
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -290,27 +278,13 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens -= item.num_drafts - (len(sampled) - 1)
                 seq.spec_token_ids = []
-            self._append_tokens(seq, sampled)
+            seq.append_tokens(sampled, self.eos_token_ids, self.max_model_len)
             self.block_manager.cache_computed_blocks(seq)
             if seq.is_finished:
                 self._remove(seq)
                 self._release(seq)
             changed.append(seq)
         return changed
-
-    def update_draft_token_ids(self, drafts: DraftTokenIds) -> None:
-        """Take the drafts for each sequence's next verify (the one door for drafts): token
-        ids the host knows become `seq.spec_token_ids`; drafts left on the device by a
-        launched step make the sequence lagged (see the module docstring). Sequences that
-        are no longer running (finished, aborted, preempted) are skipped."""
-        for request_id, token_ids in drafts.token_ids.items():
-            seq = self.sequences.get(request_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.spec_token_ids = list(token_ids)
-        for request_id, sample_id in drafts.lagged.items():
-            seq = self.sequences.get(request_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.lagged_sample_id, seq.num_lagged_drafts = sample_id, drafts.num_lagged
 
     def drop_lagged_drafts(self) -> None:
         """Forget every device-side draft (the engine leaves overlapped speculation: the
@@ -342,19 +316,66 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs
                and not self.waiting[0].pending_sample_ids  # preempted, result not back yet
                and self.block_manager.can_allocate(self.waiting[0])):
-            seq = self.waiting.popleft()
-            num_cached = self.block_manager.allocate(seq)
-            seq.num_computed_tokens = num_cached
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: self.arrival_index[s.request_id])
-            num_new = min(budget, seq.num_tokens - num_cached)
-            admitted.append(self._schedule_tokens(seq, num_new))
-            budget -= num_new
+            item = self._admit(self.waiting.popleft(), budget)
+            admitted.append(item)
+            budget -= item.num_new_tokens
         return admitted
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSequence:
+        """Give a waiting sequence (out of the queue already) its blocks and a first chunk."""
+        num_cached = self.block_manager.allocate(seq)
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: self.arrival_index[s.request_id])
+        return self._schedule_tokens(seq, min(budget, seq.num_tokens - num_cached))
+
+    def reset_after_failure(self) -> None:
+        """Forget every step scheduled and not applied (a step raised): pending samples and
+        drafts are dropped, every running sequence is preempted (its output is kept and
+        recomputed) and the prefix cache starts empty (figures too), since the failed step
+        may have left KV half written in blocks registered for reuse."""
+        for seq in reversed(list(self.running)):  # latest first: the queue keeps arrival order
+            self._preempt(seq, cause="step_failed")
+        for seq in self.sequences.values():
+            seq.pending_sample_ids, seq.spec_token_ids = [], []
+            seq.lagged_sample_id, seq.num_lagged_drafts = None, 0
+        old = self.block_manager
+        if old.num_free_blocks != old.num_blocks:
+            raise ValueError(f"after preempting every sequence {old.num_free_blocks} of "
+                             f"{old.num_blocks} blocks are free")
+        self.block_manager = BlockManager(old.num_blocks, old.block_size,
+                                          old.enable_prefix_caching)
+
+    def schedule_alone(self, request_id: str) -> ScheduledBatch:
+        """A step for one sequence only (isolating a failed step, none in flight): running
+        ones are preempted, latest first, when it needs their blocks (max_num_seqs is not
+        checked: it admits only a sequence that a failed step had running)."""
+        seq = self.sequences[request_id]
+        budget = self.config.max_num_batched_tokens
+        is_waiting = seq.status is SequenceStatus.WAITING
+        num_new = 0 if is_waiting else self._num_tokens_to_run(seq, budget)
+        preempted_ids: list[str] = []
+        while not (self.block_manager.can_allocate(seq) if is_waiting
+                   else self.block_manager.can_append_slots(seq, num_new)):
+            victims = [s for s in self.running if s is not seq]
+            if not victims:
+                raise ValueError(f"request {request_id} does not fit the KV cache alone")
+            self._preempt(victims[-1], cause="isolation")
+            preempted_ids.append(victims[-1].request_id)
+        if is_waiting:
+            self.waiting.remove(seq)
+            item = self._admit(seq, budget)
+        else:
+            self.block_manager.append_slots(seq, num_new)
+            item = self._schedule_tokens(seq, num_new)
+        self.last_batch = ScheduledBatch(scheduled=[item], preempted_ids=preempted_ids)
+        self.num_steps += 1
+        return self.last_batch
+
+    def _preempt(self, seq: Sequence, cause: str = "no_free_block") -> None:
+        """Preempt by recomputation: free the blocks, requeue at the front; one record."""
         num_computed = seq.num_computed_tokens
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -365,36 +386,11 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.preemption_events.append(PreemptionEvent(
-            request_id=seq.request_id,
-            step=self.num_steps,
-            num_tokens=seq.num_tokens,
-            num_computed_tokens=num_computed,
-            num_preemptions=seq.num_preemptions,
-            num_free_blocks=self.block_manager.num_free_blocks,
-        ))
-
-    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append tokens one by one; stop at the first that finishes the sequence.
-
-        The length limits are checked before the stop tokens, as vLLM and SGLang do."""
-        params = seq.sampling
-        for token_id in token_ids:
-            seq.output_token_ids.append(token_id)
-            if (seq.num_output_tokens >= params.max_tokens
-                    or seq.num_tokens >= self.max_model_len):
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
-            elif ((token_id in self.eos_token_ids and not params.ignore_eos)
-                  or token_id in params.stop_token_ids):
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
-            if seq.is_finished:
-                # Dropped tokens were never fed back; no KV past the last kept token is valid.
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                return
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        self._release(seq)
+        log.info("preempted %s (%s)", seq.request_id, cause, extra={
+            "event": "preemption", "request_id": seq.request_id, "cause": cause,
+            "step": self.num_steps, "num_tokens": seq.num_tokens,
+            "num_computed_tokens": num_computed, "num_preemptions": seq.num_preemptions,
+            "num_free_blocks": self.block_manager.num_free_blocks})
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

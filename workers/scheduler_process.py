@@ -9,7 +9,9 @@ waits for the front to end it, so the message is never lost to an early exit.
 The loop is `receive -> step -> send`: messages from the front arrive on an IO thread
 (`LinkIO`), each engine step (`EngineCore.step`: schedule -> run -> update) produces one
 `StepOutput`, which the send thread encodes. A step runs whenever the engine has work; with
-none, the loop blocks on the inbox.
+none, the loop blocks on the inbox. A step that raises because of one request ends that
+request with an error delta (the engine isolates it: workers/isolation.py); any other
+exception in the loop ends the process with exit code 75 (`fail`).
 
 Signals: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C or a control-group SIGTERM
 must not kill the scheduler under a draining front); the front stops it with `Shutdown`,
@@ -76,6 +78,7 @@ def token_delta(delta: RequestDelta) -> m.TokenDelta:
         num_drafted=delta.num_drafted,
         num_accepted=delta.num_accepted,
         logprobs=[m.Logprob(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in delta.logprobs],
+        error=delta.error,
     )
 
 

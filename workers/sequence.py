@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection
 
 from specd.ipc.sampling import SamplingParams
 
@@ -25,6 +26,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # an end-of-sequence or stop token
     LENGTH = "length"  # max_tokens or the model's maximum length
     ABORT = "abort"  # aborted by the client or the operator
+    ERROR = "error"  # a step failed because of this request (workers/isolation.py)
 
 
 class Sequence:
@@ -85,6 +87,25 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_tokens(self, token_ids: list[int], eos_token_ids: Collection[int],
+                      max_model_len: int) -> None:
+        """Append sampled tokens one by one; stop at the first that finishes the sequence
+        (status FINISHED, reason length or stop; the tokens after it are dropped).
+
+        The length limits are checked before the stop tokens, as vLLM and SGLang do."""
+        params = self.sampling
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+                self.status, self.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
+            elif ((token_id in eos_token_ids and not params.ignore_eos)
+                  or token_id in params.stop_token_ids):
+                self.status, self.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
+            if self.is_finished:
+                # Dropped tokens were never fed back; no KV past the last kept token is valid.
+                self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+                return
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, "

@@ -48,6 +48,8 @@ FROM_SCHEDULER = [
             packages={"torch": "2"}, pid=7, warmup_s=0.5),
     m.SchedulerFailed(stage="load", error="ValueError: no", traceback="Traceback ..."),
     m.StepOutput(step=3, deltas=[m.TokenDelta("r1", [9], "length", 2, 1, 0, 5, 3)]),
+    m.StepOutput(step=5, deltas=[m.TokenDelta("r2", finish_reason="error",
+                                              error="ValueError: no")]),
     m.StepOutput(step=4),
     m.RequestRejected("r1", "prompt too long"),
     m.QueryReply(query_id=2, result={"num_steps": 1}),
@@ -76,7 +78,7 @@ def test_per_token_messages_are_compact_arrays() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.Delta(7, "a", [1]))) == [
         "delta", 7, "a", [1], []]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.TokenDelta("r", [2]))) == [
-        "r", [2], None, 0, 0, 0, 0, 0, []]
+        "r", [2], None, 0, 0, 0, 0, 0, [], None]
     # Missing trailing fields decode to their defaults (fields can be appended later).
     decoder = msgspec.msgpack.Decoder(m.ServerMessage)
     assert decoder.decode(msgspec.msgpack.encode(["delta", 7])) == m.Delta(7)

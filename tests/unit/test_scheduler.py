@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -128,18 +129,20 @@ def run_two_until_preemption(enable_prefix_caching: bool) -> tuple[Scheduler, Se
 
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 def test_preemption_frees_the_latest_arrival_and_recomputes_it(
-    enable_prefix_caching: bool,
+    enable_prefix_caching: bool, caplog: pytest.LogCaptureFixture,
 ) -> None:
     scheduler, a, b = run_two_until_preemption(enable_prefix_caching)
+    caplog.set_level(logging.INFO, logger="specd.scheduler")
     planned, _ = step(scheduler)  # a's 9th token needs a block: b is preempted
     assert planned == [("a", 8, 1)] and scheduler.last_batch.preempted_ids == ["b"]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert b.block_ids == [] and b.num_preemptions == 1
     assert b.output_token_ids == [7, 7], "output tokens survive; they are recomputed"
-    [event] = scheduler.take_preemption_events()
-    assert (event.request_id, event.num_tokens, event.num_computed_tokens) == ("b", 9, 8)
-    assert scheduler.take_preemption_events() == []
     assert scheduler.stats().num_preemptions == 1
+    # Each preemption is one structured log record, not an entry kept in a list.
+    [event] = [vars(r) for r in caplog.records if vars(r).get("event") == "preemption"]
+    assert (event["request_id"], event["cause"], event["num_tokens"],
+            event["num_computed_tokens"]) == ("b", "no_free_block", 9, 8)
 
     _, changed = step(scheduler)  # a finishes (max_tokens 4); b waits for its blocks
     assert changed == [a] and a.finish_reason is FinishReason.LENGTH

@@ -1,0 +1,146 @@
+"""How an `EngineCore` is put together and started: the speculative worker (with its
+runner), the longest sequence served, warm-up, and what it resolved (status)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from specd.ipc.sampling import SamplingParams
+from specd.workers.config import EngineConfig, EngineResolved
+from specd.workers.model_config import ModelConfig
+from specd.workers.model_runner import ModelRunner
+from specd.workers.spec.controller import SpecController, SpecEvent
+from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.worker import SpeculativeWorker, read_draft_config, verify_query_len
+
+if TYPE_CHECKING:
+    from specd.workers.engine import EngineCore
+
+log = logging.getLogger("specd.engine")
+
+
+def build_speculative(config: EngineConfig, model_config: ModelConfig
+                      ) -> SpeculativeWorker | None:
+    """The speculative worker (with its runner), or None without a draft model. Every
+    step raises out of here: an unreadable head, one that does not fit the target, a bad
+    controller configuration."""
+    path = config.draft_model_path
+    if config.speculative_algorithm is None or path is None:
+        return None
+    draft_config = read_draft_config(path)
+    aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
+    # The head's K/V cache has the target's blocks: its bytes come from the same budget.
+    runner = ModelRunner(config, model_config, capture_layers=aux_layers,
+                         verify_shape=(verify_query_len(config), config.spec_topk > 1),
+                         extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
+                                                      * draft_config.head_dim))
+    # The head shares the target's token embedding unless its checkpoint has its own.
+    head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
+                           device=runner.device)
+    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
+                                measure=config.spec_auto_measure)
+    return SpeculativeWorker(config, runner, head, controller)
+
+
+def engine_resolved(core: EngineCore) -> EngineResolved:
+    """What `core` found at start-up (`EngineCore.resolved`)."""
+    config, runner, spec = core.config, core.runner, core.spec
+    return EngineResolved(
+        model_name=config.model_path.name,
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=config.block_size,
+        max_model_len=core.max_model_len,
+        dtype=runner.dtype_name,
+        device=config.device,
+        eos_token_ids=core.model_config.eos_token_ids,
+        speculative=spec is not None,
+        overlap_schedule=config.overlap_enabled,
+        graphs=graphs_status(runner, spec),
+        graph_memory_bytes=(
+            (0 if runner.graphs is None else runner.graphs.memory_bytes)
+            + (0 if spec is None or spec.draft_graphs is None
+               else spec.draft_graphs.memory_bytes)),
+    )
+
+
+def warm_up(core: EngineCore) -> None:
+    """`EngineCore.warmup`: two requests (greedy and sampled) through every path, then the
+    compiled step kinds; speculation's measurements are forgotten after (warm-up steps
+    are not the workload)."""
+    ids = [1, 2, 3]
+    for i, params in enumerate((SamplingParams(max_tokens=2),
+                                SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9))):
+        core.add_request(f"__warmup{i}", ids, params)
+    while core.has_unfinished():
+        core.step()
+    if core.runner.compiled_decode is not None:
+        _warm_compiled(core, ids)
+    if core.spec is not None:
+        core.spec.controller.forget_measurements()
+
+
+def _warm_compiled(core: EngineCore, ids: list[int]) -> None:
+    """Compile every step kind now, not at the first request that needs it: decode and
+    (with a head) verify, each at batch size 1 and >= 2 (cpu_decode.py). Speculation is
+    switched for this (logged, like every switch) and restored."""
+    controller = core.spec.controller if core.spec is not None else None
+    saved = None
+    if controller is not None:
+        saved = (controller.mode, controller.threshold, controller.resume_at)
+    for mode in ("off", "on") if controller is not None else ("off",):
+        if controller is not None:
+            log_switch(controller.set_mode(mode))
+        for batch in (2, 1):
+            for i in range(batch):
+                # Long enough for whole draft trees (shorter ones run eagerly).
+                core.add_request(f"__warmup_{mode}_{batch}_{i}", ids,
+                                 SamplingParams(max_tokens=24, ignore_eos=True))
+            while core.has_unfinished():
+                core.step()
+    if controller is not None and saved is not None:
+        log_switch(controller.set_mode(*saved))
+
+
+def log_switch(event: SpecEvent | None) -> None:
+    """One record per speculation switch (with its cause and figures)."""
+    if event is not None:
+        log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
+
+
+def graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
+    """The target's graphs and the draft loop's, or the compiled CPU decode, for status
+    ("off" without either)."""
+    if runner.compiled_decode is not None:
+        if spec is not None and spec.compiled_draft is not None:
+            return f"{runner.compiled_decode.status()} | {spec.compiled_draft.status()}"
+        return runner.compiled_decode.status()
+    if runner.graphs is None:
+        return "off"
+    parts = [runner.graphs.status()]
+    if spec is not None and spec.draft_graphs is not None:
+        parts.append(spec.draft_graphs.status())
+    return " | ".join(parts)
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
+    """The longest sequence served: the configured value, else the model's limit capped by
+    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
+    limit = model_config.max_model_len
+    capacity = num_kv_blocks * config.block_size
+    if config.max_model_len is None:
+        if capacity < limit:
+            log.info("max_model_len capped by the KV cache", extra={
+                "event": "max_model_len_capped", "max_position_embeddings": limit,
+                "kv_capacity_tokens": capacity})
+        return min(limit, capacity)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"limit {limit}")
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the KV cache's capacity of "
+            f"{capacity} tokens ({num_kv_blocks} blocks of {config.block_size}); raise "
+            "kv_cache_memory_bytes or lower max_model_len")
+    return config.max_model_len
