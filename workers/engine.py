@@ -29,7 +29,7 @@ from specd.workers.model_runner import ModelRunner, PendingOutput
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import FinishReason
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.spec.overlap import PendingSpec
+from specd.workers.spec.step import PendingSpec
 from specd.workers.spec.worker import SpecFigures, SpeculativeWorker
 
 log = logging.getLogger("specd.engine")
@@ -164,9 +164,9 @@ class EngineCore:
 
         With overlap scheduling the step is split: schedule and launch step N, then
         process step N - 1's results (which the host reads only now), so the deltas lag
-        one call behind. Speculative steps overlap too (spec/overlap.py: accepted counts
-        and drafts stay on the device); a change of speculation state drains the step in
-        flight and runs one whole step (see `_overlap_kind`).
+        one call behind. Speculative steps overlap too (spec/worker.py: accepted counts
+        and drafts stay on the device); speculation turned off drains the step in flight
+        and runs one whole step (see `_can_overlap`).
 
         A step that raises is isolated (workers/isolation.py): the request it is blamed
         on gets a last delta with finish reason "error" and `error` set; StepFailed when
@@ -193,9 +193,8 @@ class EngineCore:
         return deltas
 
     def _step_batched(self) -> None:
-        kind = self._overlap_kind() if self.overlap else None
-        if kind is not None:
-            self._step_overlapped(kind)
+        if self.overlap and self._can_overlap():
+            self._step_overlapped()
             return
         self._drain()
         # The next step runs from what the host knows: drafts made on the device by the
@@ -227,35 +226,36 @@ class EngineCore:
             if emitted is not None and (seq.is_finished or seq.num_output_tokens > emitted):
                 self._outbox.append(self._delta(seq, []))
 
-    def _overlap_kind(self) -> str | None:
-        """How the next step overlaps the one in flight: "plain", "spec", or None (drain
-        it and run a whole step): speculation was switched since the step in flight was
-        launched, or plain steps resume while drafts `propose` made wait on the host."""
-        if self.spec is None:
-            return "plain"
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be launched before the one in flight is read. Not
+        while speculation is off and the step in flight drafted on the device (the verifies
+        of those drafts could not be scheduled without drafting again), nor while drafts
+        the host knows wait (a whole step verifies them): drain, and run a whole step."""
+        if self.spec is None or self.spec.controller.enabled:
+            return True
         in_flight = self._in_flight
-        spec_in_flight = in_flight is not None and isinstance(in_flight.pending, PendingSpec)
-        if self.spec.controller.enabled:
-            return "spec" if in_flight is None or spec_in_flight else None
-        if spec_in_flight or any(s.spec_token_ids for s in self.scheduler.running):
-            return None
-        return "plain"
+        if (in_flight is not None and isinstance(in_flight.pending, PendingSpec)
+                and in_flight.pending.drafted is not None):
+            return False
+        return not any(s.spec_token_ids for s in self.scheduler.running)
 
-    def _step_overlapped(self, kind: str) -> None:
+    def _step_overlapped(self) -> None:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
             self._attempted.append(batch)
             pending: PendingOutput | PendingSpec
-            if self.spec is None:
-                pending = self.runner.launch(batch)
-            elif kind == "spec":
-                pending = self.spec.launcher.launch(batch)
-            else:
-                pending = self.spec.launch_plain(batch)
+            pending = (self.runner.launch(batch) if self.spec is None
+                       else self.spec.launch(batch))
             launched = _InFlight(batch, pending, t0)
         self._drain()
+        if self.spec is not None:
+            # Drafts for the sequences of the step just launched (made by it, or by the
+            # controller turning speculation on in `_drain`) stay on the device: the next
+            # step verifies them lagged.
+            self.scheduler.update_draft_token_ids(
+                self.spec.take_draft_token_ids(on_device=True))
         self._in_flight = launched
 
     def _drain(self) -> None:
@@ -279,27 +279,26 @@ class EngineCore:
         output = (self.runner.execute(batch) if self.spec is None
                   else self.spec.execute(batch))
         self._finish(batch, output, t0)
+        if self.spec is not None:
+            # Its drafts, read on the host: after update, which consumed the previous ones.
+            self.scheduler.update_draft_token_ids(
+                self.spec.take_draft_token_ids(on_device=False))
 
     def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float,
                 spec_pending: PendingSpec | None = None) -> None:
         """update -> deltas (to the outbox at once: a later part of the step that raises
-        does not lose them) -> speculation: controller, drafts for the next step.
-        `spec_pending`: the step was an overlapped speculative one, which drafted for the
-        next step itself (on the device)."""
+        does not lose them) -> speculation: the controller's figures and decision.
+        `spec_pending`: the step was an overlapped speculative one."""
         updated = self.scheduler.update(batch, output)
         self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
                          for seq in updated]
         if self.spec is not None:
             controller = self.spec.controller
-            ran_speculating = controller.enabled  # the state this step ran in
-            if spec_pending is not None:
-                ran_speculating = True
-                spec_pending.after_update()
-            # Drafts for the next step: after update, which consumes the previous drafts
-            # and appends the tokens the drafts continue from.
+            # The state this step ran in (an overlapped step was launched before the last
+            # decision: whether it verified or drafted).
+            ran_speculating = (controller.enabled if spec_pending is None
+                               else spec_pending.speculates)
             log_switch(self.spec.update_controller(self.scheduler.num_running))
-            if spec_pending is None:
-                self.spec.propose(updated)
             step_s = self._step_time(t0)
             # Every step is a sample of the state it ran in, prefill and all (drafting for
             # the next step included): what a mode yields is its regime's throughput, request

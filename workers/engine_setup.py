@@ -57,10 +57,8 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         speculative=spec is not None,
         overlap_schedule=config.overlap_enabled,
         graphs=graphs_status(runner, spec),
-        graph_memory_bytes=(
-            (0 if runner.graphs is None else runner.graphs.memory_bytes)
-            + (0 if spec is None or spec.draft_graphs is None
-               else spec.draft_graphs.memory_bytes)),
+        graph_memory_bytes=(runner.backend.memory_bytes
+                            + (0 if spec is None else spec.drafter.loop_runner.memory_bytes)),
     )
 
 
@@ -74,7 +72,7 @@ def warm_up(core: EngineCore) -> None:
         core.add_request(f"__warmup{i}", ids, params)
     while core.has_unfinished():
         core.step()
-    if core.runner.compiled_decode is not None:
+    if core.runner.backend.compiles:
         _warm_compiled(core, ids)
     if core.spec is not None:
         core.spec.controller.forget_measurements()
@@ -109,17 +107,11 @@ def log_switch(event: SpecEvent | None) -> None:
 
 
 def graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
-    """The target's graphs and the draft loop's, or the compiled CPU decode, for status
-    ("off" without either)."""
-    if runner.compiled_decode is not None:
-        if spec is not None and spec.compiled_draft is not None:
-            return f"{runner.compiled_decode.status()} | {spec.compiled_draft.status()}"
-        return runner.compiled_decode.status()
-    if runner.graphs is None:
-        return "off"
-    parts = [runner.graphs.status()]
-    if spec is not None and spec.draft_graphs is not None:
-        parts.append(spec.draft_graphs.status())
+    """The target's backend (captured graphs, compiled CPU steps) and the draft loop's, for
+    status ("off" when nothing is captured or compiled)."""
+    parts = [runner.backend.status()]
+    if spec is not None and spec.drafter.loop_runner.status():
+        parts.append(spec.drafter.loop_runner.status())
     return " | ".join(parts)
 
 

@@ -52,7 +52,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from specd.workers.batch import ModelOutput, ScheduledBatch, ScheduledSequence
+from specd.workers.batch import DraftTokenIds, ModelOutput, ScheduledBatch, ScheduledSequence
 from specd.workers.block_manager import BlockManager, BlockManagerStats
 from specd.workers.config import EngineConfig
 from specd.workers.sequence import FinishReason, Sequence, SequenceStatus
@@ -285,6 +285,20 @@ class Scheduler:
                 self._release(seq)
             changed.append(seq)
         return changed
+
+    def update_draft_token_ids(self, drafts: DraftTokenIds) -> None:
+        """Take the drafts for each sequence's next verify (the one door for drafts): token
+        ids the host knows become `seq.spec_token_ids`; drafts left on the device by a
+        launched step make the sequence lagged (see the module docstring). Sequences that
+        are no longer running (finished, aborted, preempted) are skipped."""
+        for request_id, token_ids in drafts.token_ids.items():
+            seq = self.sequences.get(request_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.spec_token_ids = list(token_ids)
+        for request_id, sample_id in drafts.lagged.items():
+            seq = self.sequences.get(request_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.lagged_sample_id, seq.num_lagged_drafts = sample_id, drafts.num_lagged
 
     def drop_lagged_drafts(self) -> None:
         """Forget every device-side draft (the engine leaves overlapped speculation: the
