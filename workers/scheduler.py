@@ -40,9 +40,8 @@ takes the rejected back as above. A lagged verify that does not fit the budget o
 max_model_len at its latest start is not scheduled; its drafts are stale once the step
 in flight is read.
 
-A failed step (workers/isolation.py): `reset_after_failure` forgets every step scheduled
-but not applied and preempts every running sequence; `schedule_alone` then runs one
-sequence at a time to find the one that caused the failure.
+A failed step (workers/isolation.py): `reset_after_failure`, then `schedule_alone` runs
+one sequence at a time to find the one that caused it.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status is not SequenceStatus.RUNNING:
                 break  # out of budget, or seq itself was preempted (it was the last)
-            if self._awaits_its_last_sample(seq):
+            if seq.awaits_its_last_sample(self.max_model_len):
                 continue
             if seq.lagged_sample_id is not None:
                 num_new = seq.num_lagged_drafts + 1
@@ -212,7 +211,7 @@ class Scheduler:
         every draft as accepted until `update` takes the rejected back), so advancing it
         by `num_new` makes `append_slots` cover the latest position this step can write.
         """
-        start = self._lagged_start(seq)
+        start = seq.lagged_start
         max_shift = seq.num_computed_tokens - start  # the drafts the step in flight verifies
         sample_id = self._new_sample(seq)
         seq.num_computed_tokens += num_new
@@ -227,23 +226,12 @@ class Scheduler:
         seq.pending_sample_ids.append(sample_id)
         return sample_id
 
-    @staticmethod
-    def _lagged_start(seq: Sequence) -> int:
-        """The lower bound of a lagged verify's start: every draft in flight rejected."""
-        return seq.num_tokens + seq.num_placeholders - 1
-
     def _lag_fits(self, seq: Sequence, budget: int) -> bool:
         """Whether a lagged verify fits the budget and, at its latest start (every draft
         in flight accepted: `num_computed_tokens` counts them so), max_model_len."""
         num_new = seq.num_lagged_drafts + 1
         return (budget >= num_new
                 and seq.num_computed_tokens + num_new <= self.max_model_len)
-
-    def _awaits_its_last_sample(self, seq: Sequence) -> bool:
-        """Pending samples already reach max_tokens or max_model_len: nothing more to run."""
-        n = seq.num_placeholders
-        return n > 0 and (seq.num_output_tokens + n >= seq.sampling.max_tokens
-                          or seq.num_tokens + n >= self.max_model_len)
 
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
         """Apply a step's results; return the sequences that got tokens or finished, in

@@ -88,6 +88,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def lagged_start(self) -> int:
+        """The lower bound of a lagged verify's start: every draft in flight rejected."""
+        return self.num_tokens + self.num_placeholders - 1
+
+    def awaits_its_last_sample(self, max_model_len: int) -> bool:
+        """Pending samples already reach max_tokens or max_model_len: nothing more to run."""
+        n = self.num_placeholders
+        return n > 0 and (self.num_output_tokens + n >= self.sampling.max_tokens
+                          or self.num_tokens + n >= max_model_len)
+
     def append_tokens(self, token_ids: list[int], eos_token_ids: Collection[int],
                       max_model_len: int) -> None:
         """Append sampled tokens one by one; stop at the first that finishes the sequence
