@@ -218,6 +218,7 @@ class EngineCore:
         self._in_flight = None
         self.scheduler.reset_after_failure()
         if self.spec is not None:
+            self.spec.take_draft_token_ids(on_device=True)  # the failed step's: dropped
             for request_id in self.scheduler.sequences:
                 self.spec.drop_pending(request_id)
         self.runner.invalidate_decode_stage()

@@ -147,6 +147,11 @@ def test_the_poisoned_request_fails_and_the_others_get_their_tokens(
     assert not core.has_unfinished()
     stats = core.stats()
     assert (stats.num_step_failures, stats.num_requests_failed) == (1, 1)
+    assert (stats.num_accepted > 0) == (mode == "spec-on")  # the others did speculate
+    if overlap and core.spec is None:  # steps really overlapped: inputs came from samples
+        assert core.runner.num_placeholders_resolved > 0  # the host had not read
+    elif overlap:  # verifies launched before the host knew where they start
+        assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
     # One record for the isolation, one (with the traceback) for the failed request.
     [isolation] = events(caplog, "step_failure")
     assert isolation["outcome"] == "failed" and isolation["culprits"] == [POISONED]
