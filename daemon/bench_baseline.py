@@ -43,7 +43,7 @@ class Baseline:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from specd.daemon.tokenizer import Tokenizer
+        from specd.tokenizer import Tokenizer
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)

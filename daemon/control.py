@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import msgspec
 
 import specd
-from specd.daemon import provenance
+from specd import provenance
 from specd.daemon.lifecycle import State
-from specd.daemon.logs import log_event
 from specd.daemon.server import Connection
 from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkSendError
+from specd.logs import log_event
 
 if TYPE_CHECKING:
     from specd.daemon.front import Front

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from specd.daemon import provenance
+from specd import provenance
 from specd.ipc.client import Client, SpecdError
 from specd.ipc.messages import StatusReply
 

@@ -19,22 +19,22 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
-from specd.daemon import provenance
+from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
 from specd.daemon.detokenizer import IncrementalDetokenizer
-from specd.daemon.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
-from specd.daemon.logs import log_event
 from specd.daemon.prompts import PromptEncoder, RequestError
 from specd.daemon.request_table import OpenRequest, RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.daemon.server import Connection, start_server
-from specd.daemon.tokenizer import Tokenizer
+from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc import messages as m
 from specd.ipc.framing import FrameCodec
 from specd.ipc.sampling import SamplingParams
 from specd.ipc.zmq_link import LinkSendError
+from specd.logs import log_event
+from specd.tokenizer import Tokenizer
 
 log = logging.getLogger("specd.front")
 

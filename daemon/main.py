@@ -28,11 +28,11 @@ import zmq
 
 from specd.daemon.activation import SocketInUseError, bind_unix_socket, listening_socket_from_env
 from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
-from specd.daemon.exit_codes import EXIT_CONFIG
 from specd.daemon.lifecycle import Lifecycle
-from specd.daemon.logs import log_event, setup_logging
 from specd.daemon.sdnotify import Notifier
-from specd.daemon.tokenizer import Tokenizer
+from specd.exit_codes import EXIT_CONFIG
+from specd.logs import log_event, setup_logging
+from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, SPEC_MODES, EngineConfig
 
 log = logging.getLogger("specd.main")

@@ -23,10 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 
 from specd.daemon.config import DaemonConfig
-from specd.daemon.logs import log_event
 from specd.daemon.memory import TRIM_AVAILABLE, release_free_memory
-from specd.daemon.tokenizer import TemplateError, Tokenizer
 from specd.ipc import messages as m
+from specd.logs import log_event
+from specd.tokenizer import TemplateError, Tokenizer
 
 log = logging.getLogger("specd.prompts")
 

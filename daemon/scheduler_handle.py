@@ -25,10 +25,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from specd.daemon.logs import log_event
 from specd.daemon.sdnotify import child_environ
 from specd.ipc.messages import FromScheduler, ToScheduler
 from specd.ipc.zmq_link import LinkPaths, TypedSocket, remove_stale_links
+from specd.logs import log_event
 from specd.workers.config import EngineConfig
 
 log = logging.getLogger("specd.front")

@@ -26,9 +26,9 @@ from typing import Protocol
 import msgspec
 
 from specd.daemon.config import DaemonConfig
-from specd.daemon.logs import log_event
 from specd.ipc import messages as m
 from specd.ipc.framing import ConnectionClosed, FrameCodec, FrameError
+from specd.logs import log_event
 
 log = logging.getLogger("specd.server")
 

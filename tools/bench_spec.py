@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_prompts  # noqa: E402
 
-from specd.daemon.tokenizer import Tokenizer  # noqa: E402
 from specd.ipc.sampling import SamplingParams  # noqa: E402
+from specd.tokenizer import Tokenizer  # noqa: E402
 from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
 from specd.workers.engine import EngineCore  # noqa: E402
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from specd.daemon.tokenizer import Tokenizer
 from specd.ipc.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
 

@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from specd.daemon import provenance
-from specd.daemon.logs import setup_logging
+from specd import provenance
+from specd.exit_codes import EXIT_CONFIG as EXIT_STARTUP_FAILED
+from specd.exit_codes import EXIT_SCHEDULER_FAILED as EXIT_LOOP_FAILED
 from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkPaths
+from specd.logs import setup_logging
 from specd.workers.config import EngineConfig
 from specd.workers.io_threads import LinkFailure, LinkIO
 
@@ -46,8 +48,6 @@ if TYPE_CHECKING:
     from specd.workers.engine import EngineCore, RequestDelta
 
 PR_SET_PDEATHSIG = 1
-EXIT_STARTUP_FAILED = 78
-EXIT_LOOP_FAILED = 75
 FAILED_WAIT_S = 30.0
 HEARTBEAT_S = 0.25  # most time between StepOutputs while steps produce no tokens
 IDLE_WAIT_S = 0.01  # after SchedulerFailed, how long to wait for the front to end us

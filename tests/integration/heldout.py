@@ -10,7 +10,7 @@ from specd.workers.config import FIXTURE_DIR
 
 def heldout_prompt_ids(count: int, first_len: int, len_step: int) -> list[list[int]]:
     """The first `count` held-out prompts, prompt i cut to first_len + len_step * i tokens."""
-    from specd.daemon.tokenizer import Tokenizer
+    from specd.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(FIXTURE_DIR)
     lines = (FIXTURE_DIR / "heldout_prompts.jsonl").read_text().splitlines()

@@ -14,7 +14,7 @@ import pytest
 from daemon_harness import Daemon
 
 from specd.client import SpecdError
-from specd.daemon.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED
+from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED
 from specd.ipc import client as errors
 from specd.workers.config import FIXTURE_DIR
 

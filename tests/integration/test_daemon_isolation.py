@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon
 
-from specd.daemon.exit_codes import EXIT_OK
+from specd.exit_codes import EXIT_OK
 from specd.ipc import client as errors
 
 POISON_SEED = 987_654_321

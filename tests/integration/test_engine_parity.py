@@ -95,7 +95,7 @@ def test_tiny_models_match_transformers_greedy(tmp_path: Path, arch: str) -> Non
 
 @pytest.fixture(scope="module")
 def fixture_case() -> tuple[list[list[int]], list[list[int]]]:
-    from specd.daemon.tokenizer import Tokenizer
+    from specd.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(FIXTURE_DIR)
     shared = "import os\nimport sys\n\n\ndef main(argv):\n    "

@@ -182,7 +182,7 @@ def fixture_agreement(fixture_dir: Path, int4_dir: Path, num_prompts: int,
     """Greedy token agreement of the INT4 build with the bf16 model over the first
     `num_prompts` held-out prompts: teacher-forced (INT4 argmax after the bf16 prefix) and
     free-running (position by position, common prefix, identical continuations)."""
-    from specd.daemon.tokenizer import Tokenizer
+    from specd.tokenizer import Tokenizer
 
     lines = (fixture_dir / "heldout_prompts.jsonl").read_text().splitlines()[:num_prompts]
     tokenizer = Tokenizer.from_dir(fixture_dir)

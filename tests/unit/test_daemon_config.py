@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from specd.daemon.config import DaemonConfig
-from specd.daemon.exit_codes import EXIT_CONFIG
 from specd.daemon.main import build_config
-from specd.daemon.tokenizer import Tokenizer
+from specd.exit_codes import EXIT_CONFIG
+from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
 
 

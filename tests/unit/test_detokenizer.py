@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specd.daemon.detokenizer import IncrementalDetokenizer
-from specd.daemon.tokenizer import Tokenizer
+from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
 
 

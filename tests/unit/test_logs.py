@@ -11,7 +11,7 @@ from typing import IO
 
 import pytest
 
-from specd.daemon.logs import log_event, setup_logging
+from specd.logs import log_event, setup_logging
 
 
 @pytest.fixture

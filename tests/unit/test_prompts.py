@@ -13,8 +13,8 @@ import pytest
 from specd.daemon.config import DaemonConfig
 from specd.daemon.memory import TRIM_AVAILABLE, resident_bytes
 from specd.daemon.prompts import INLINE_TOKENIZE_CHARS, PromptEncoder, RequestError
-from specd.daemon.tokenizer import Tokenizer
 from specd.ipc import messages as m
+from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
 
 MAX_MODEL_LEN = 2048

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from specd.daemon.token_bound import UNICODE_SHRINK, bytes_per_token_bound
-from specd.daemon.tokenizer import Tokenizer
+from specd.token_bound import UNICODE_SHRINK, bytes_per_token_bound
+from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
 
 BYTE_ALPHABET = {chr(0x100 + i): i for i in range(256)}  # stands in for byte-level's map

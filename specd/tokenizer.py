@@ -19,7 +19,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from specd.daemon.token_bound import bytes_per_token_bound
+from specd.token_bound import bytes_per_token_bound
 
 Message = Mapping[str, Any]
 
