@@ -45,6 +45,7 @@ ERROR_CODES = (
     "slow_reader",  # the client did not read its output; its requests were aborted
     "duplicate_id",  # a request id already in flight on this connection
     "not_found",  # abort of an id that is not in flight
+    "forbidden",  # a control request (spec, drain, stop) from a user who is not an operator
     "internal_error",  # a bug in specd; the log has the traceback
 )
 
