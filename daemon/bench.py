@@ -38,13 +38,15 @@ from specd.daemon.bench_paired import (
 )
 from specd.daemon.bench_progress import Progress
 from specd.ipc import messages as m
-from specd.ipc.client import AsyncClient, ProtocolError, SpecdError, make_generate
+from specd.ipc.async_client import AsyncClient
+from specd.ipc.errors import ProtocolError, SpecdError
+from specd.ipc.generation import make_generate
+from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR
 
 PROMPTS_FILE = FIXTURE_DIR / "heldout_prompts.jsonl"
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
-MODES = ("off", "on", "auto")
 STATS_INTERVAL_S = 0.25  # how often the engine's state is sampled during a point
 
 
@@ -77,7 +79,7 @@ class BenchConfig:
         batch-1 target reads them where they ran, else the medians of the rounds.
     """
 
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = SPEC_MODES
     concurrencies: tuple[int, ...] = DEFAULT_CONCURRENCIES
     request_rate: float | None = None
     num_requests: int | None = None
@@ -90,8 +92,8 @@ class BenchConfig:
     batch1_pairs: int = 0
 
     def __post_init__(self) -> None:
-        if not self.modes or any(mode not in MODES for mode in self.modes):
-            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {self.modes}")
+        if not self.modes or any(mode not in SPEC_MODES for mode in self.modes):
+            raise ValueError(f"modes must be a non-empty subset of {SPEC_MODES}, got {self.modes}")
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
         if self.request_rate is not None and not self.request_rate > 0:

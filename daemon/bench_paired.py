@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from specd.daemon.bench_progress import Progress
-from specd.ipc.client import SpecdError
+from specd.ipc.errors import SpecdError
+from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:  # bench imports this module
@@ -230,7 +231,7 @@ def summarize_paired(run: PairedRun) -> dict[str, Any]:
                               "windows": [{"mode": w.mode, "cycle": w.cycle,
                                            "seconds": w.end - w.start, "tokens": w.tokens,
                                            "spec_share": w.spec_share} for w in run.windows]}
-    if all(mode in modes for mode in ("off", "on", "auto")):
+    if all(mode in modes for mode in SPEC_MODES):
         best = max(modes["on"]["tokens_per_s"], modes["off"]["tokens_per_s"])
         by_cycle = [a / max(on, off) for a, on, off in zip(
             modes["auto"]["tokens_per_s_by_cycle"], modes["on"]["tokens_per_s_by_cycle"],

@@ -18,6 +18,7 @@ from typing import Any
 
 from specd.daemon.bench import EngineSample, PointRun
 from specd.daemon.bench_paired import counter_spec_share
+from specd.ipc.messages import SPEC_MODES
 
 AUTO_TARGET = 0.97
 BASELINE_TARGET = 3.0
@@ -138,8 +139,7 @@ def medians(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "spec_share": statistics.median(p["spec_share"] for p in group),
             "output_tokens_per_s_by_round": [p["output_tokens_per_s"] for p in group],
         })
-    order = ("off", "on", "auto")
-    return sorted(rows, key=lambda r: (order.index(r["mode"]), r["concurrency"]))
+    return sorted(rows, key=lambda r: (SPEC_MODES.index(r["mode"]), r["concurrency"]))
 
 
 def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
@@ -216,8 +216,7 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
 
 def _points_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The points mode by mode (off, on, auto), each by concurrency."""
-    order = ("off", "on", "auto")
-    return sorted(report["points"], key=lambda p: (order.index(p["mode"]), p["concurrency"],
+    return sorted(report["points"], key=lambda p: (SPEC_MODES.index(p["mode"]), p["concurrency"],
                                                    p.get("round", 1)))
 
 
@@ -249,7 +248,7 @@ def _paired_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for row in report.get("paired") or []:
         figures = []
-        for mode in ("off", "on", "auto"):
+        for mode in SPEC_MODES:
             if mode in row["modes"]:
                 fig = row["modes"][mode]
                 shares = [x for x in fig["spec_share_by_cycle"] if x is not None]
@@ -340,7 +339,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     points = report["points"]
     lines = medians(points)  # one value per mode and concurrency: the median over rounds
-    modes = sorted({p["mode"] for p in points}, key=lambda mode: ("off", "on", "auto").index(mode))
+    modes = sorted({p["mode"] for p in points}, key=SPEC_MODES.index)
     paths = {name: out_dir / file for name, file in PLOT_FILES.items()}
     for name, key, label in (("throughput", "output_tokens_per_s", "output tokens/s"),
                              ("tpot", "tpot_p50_ms", "TPOT p50 (ms)")):

@@ -11,21 +11,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.ipc.paths import default_socket_path
 from specd.workers.config import EngineConfig
 
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def default_socket_path() -> Path:
-    """`/run/specd/specd.sock` for root, else `$XDG_RUNTIME_DIR/specd/specd.sock`
-    (falling back to `/tmp/specd-<uid>/specd.sock` when XDG_RUNTIME_DIR is unset)."""
-    if os.geteuid() == 0:
-        return Path("/run/specd/specd.sock")
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "specd" / "specd.sock"
-    return Path(f"/tmp/specd-{os.geteuid()}") / "specd.sock"
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,10 @@ from specd.daemon.ctl_errors import (
     EXIT_TIMEOUT,
     run_client_call,
 )
-from specd.ipc.client import (
-    Client,
-    DaemonUnavailable,
-    GenerateResult,
-    SpecdError,
-    StreamDelta,
-)
+from specd.ipc.client import Client
+from specd.ipc.errors import DaemonUnavailable, SpecdError
+from specd.ipc.generation import GenerateResult, StreamDelta
+from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
 
 
@@ -245,7 +242,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("mode", type=click.Choice(["on", "off", "auto", "threshold"]))
+@click.argument("mode", type=click.Choice([*SPEC_MODES, "threshold"]))
 @click.argument("threshold", type=int, required=False)
 @_json_option
 @click.pass_context

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import click
 
-from specd.ipc.client import ClientTimeout, DaemonUnavailable, SpecdError
+from specd.ipc.errors import ClientTimeout, DaemonUnavailable, SpecdError
 
 EXIT_DAEMON_ERROR = 1
 EXIT_UNREACHABLE = 3

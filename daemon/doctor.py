@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 
 from specd import provenance
-from specd.ipc.client import Client, SpecdError
+from specd.ipc.client import Client
+from specd.ipc.errors import SpecdError
 from specd.ipc.messages import StatusReply
 
 

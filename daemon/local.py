@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from specd.daemon.detokenizer import IncrementalDetokenizer
-from specd.ipc.client import GenerateResult, StreamDelta
+from specd.ipc.generation import GenerateResult, StreamDelta
 from specd.ipc.sampling import SamplingParams
 
 REQUEST_ID = "local-0"

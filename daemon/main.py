@@ -31,9 +31,10 @@ from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
 from specd.daemon.lifecycle import Lifecycle
 from specd.daemon.sdnotify import Notifier
 from specd.exit_codes import EXIT_CONFIG
+from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
 from specd.tokenizer import Tokenizer
-from specd.workers.config import DTYPES, SPEC_MODES, EngineConfig
+from specd.workers.config import DTYPES, EngineConfig
 
 log = logging.getLogger("specd.main")
 

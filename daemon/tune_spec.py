@@ -47,7 +47,7 @@ import msgspec
 
 from specd.daemon.bench import BenchClient, load_prompts
 from specd.daemon.bench_paired import request_lengths
-from specd.ipc.client import SpecdError
+from specd.ipc.errors import SpecdError
 from specd.ipc.sampling import SamplingParams
 
 MAX_STEPS = 8

@@ -26,6 +26,11 @@ from specd.ipc.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 
+# The speculation modes, defined once (in the order reports list them): the engine's
+# `spec_mode`, the `spec` request, `specctl spec` and the serving benchmark read them here.
+SPEC_MODES = ("off", "on", "auto")
+SpecMode = Annotated[str, Meta(pattern=f"^({'|'.join(SPEC_MODES)})$")]
+
 # Bounds on what one client request may carry; the frame cap bounds the total as well.
 ClientId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -102,7 +107,7 @@ class StatsQuery(_Request, frozen=True, tag="stats"):
 class SetSpec(_Request, frozen=True, tag="spec"):
     """Speculation mode: on, off or auto (with an optional batch-size threshold)."""
 
-    mode: Annotated[str, Meta(pattern="^(on|off|auto)$")]
+    mode: SpecMode
     threshold: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
 
 

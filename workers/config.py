@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.ipc.messages import SPEC_MODES
+
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixture"
 FIXTURE_DRAFT_DIR = FIXTURE_DIR / "eagle3"
 
 DTYPES = ("bfloat16", "float16", "float32")
-SPEC_MODES = ("on", "off", "auto")
 
 
 @dataclass(frozen=True)

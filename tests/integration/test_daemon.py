@@ -24,7 +24,7 @@ from daemon_harness import Daemon, model_under_test
 
 from specd.client import AsyncClient
 from specd.daemon.memory import resident_bytes
-from specd.ipc import client as errors
+from specd.ipc import errors
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
 

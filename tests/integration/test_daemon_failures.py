@@ -15,7 +15,7 @@ from daemon_harness import Daemon
 
 from specd.client import SpecdError
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED
-from specd.ipc import client as errors
+from specd.ipc import errors
 from specd.workers.config import FIXTURE_DIR
 
 

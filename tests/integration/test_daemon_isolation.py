@@ -16,7 +16,7 @@ import pytest
 from daemon_harness import Daemon
 
 from specd.exit_codes import EXIT_OK
-from specd.ipc import client as errors
+from specd.ipc import errors
 
 POISON_SEED = 987_654_321
 PLUGIN = f'''

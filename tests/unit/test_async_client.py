@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 from specd.ipc import messages as m
-from specd.ipc.client import AsyncClient, ClientTimeout, SpecdError
+from specd.ipc.async_client import AsyncClient
+from specd.ipc.errors import ClientTimeout, SpecdError
 
 
 def test_a_cancellation_arriving_with_the_answer_cancels() -> None:

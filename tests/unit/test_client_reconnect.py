@@ -16,7 +16,8 @@ from specd.daemon.activation import bind_unix_socket
 from specd.daemon.config import DaemonConfig
 from specd.daemon.server import Connection, start_server
 from specd.ipc import messages as m
-from specd.ipc.client import AsyncClient, Client
+from specd.ipc.async_client import AsyncClient
+from specd.ipc.client import Client
 from specd.ipc.framing import FrameCodec
 
 IDLE_S = 0.1

@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SPEC_MODES = ("on", "off", "auto")
+from specd.ipc.messages import SPEC_MODES
+
 EWMA_WEIGHT = 1 / 32  # of the newest step in a bucket's average (one exploration's worth)
 # of the newest step's batch size in the load: the load follows a change of concurrency
 # within about 8 steps, so that a slowly draining batch counts in its own bucket, not in
