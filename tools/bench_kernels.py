@@ -13,6 +13,13 @@ T = 1, 4, 8, 16, 64 draft tokens over prefixes of 512 to 32k, against
 `scaled_dot_product_attention` with a dense boolean mask over K/V already gathered contiguous
 (the gather is not timed, which favours SDPA). Target: faster than SDPA at every size.
 
+MLA attention (Kimi-K2: 576-wide latent rows, kv_lora_rank 512 + rope 64, one KV head; 64
+heads as on one GPU and 8 as per GPU under TP8; batch 4; block size 16) for T = 1 (plain
+decode) and 4, 16, 64 (binary draft trees) over contexts of 1k to 32k, against SDPA over the
+latents already gathered contiguous ([q_latent | q_pe] against the 576-wide rows, V their first
+512 values): time, achieved bandwidth (latent bytes over time) and TFLOP/s. No target is set
+yet; the GPU figures are owed. `--mla-only` runs this part alone.
+
 Every configuration is first checked against its pure-torch reference, so a wrong kernel is
 never timed. Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 """
@@ -41,6 +48,11 @@ TREE_T = (1, 4, 8, 16, 64)
 TREE_PREFIX = (512, 2048, 8192, 32768)
 GROUP_SIZE = 32
 DEVICE = "cuda"  # a module constant so that a CPU smoke run can swap it
+MLA_HEADS = (64, 8)  # Kimi-K2 on one GPU, and per GPU under TP8
+MLA_T = (1, 4, 16, 64)
+MLA_CONTEXT = (1024, 8192, 32768)
+MLA_RANK, MLA_ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim
+MLA_SCALE = 0.13086  # Kimi-K2: 192^-0.5 * YaRN mscale(32)^2
 
 
 def bench_ms(fn: Any) -> float:
@@ -163,6 +175,89 @@ def bench_tree(t: int, prefix: int) -> dict[str, float]:
             "tree_bw_frac": kv_bytes / (t_tree * 1e-3) / PEAK_BYTES_PER_S}
 
 
+def _binary_tree_masks(t: int) -> list[int]:
+    """Node i's parent is (i - 1) // 2; row i sees its ancestors and itself (as int64)."""
+    masks = []
+    for i in range(t):
+        bits, node = 0, i
+        while node >= 0:
+            bits |= 1 << node
+            node = (node - 1) // 2 if node > 0 else -1
+        masks.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    return masks
+
+
+def mla_case(heads: int, t: int, context: int, batch: int = 4, rank: int = MLA_RANK,
+             rope: int = MLA_ROPE, block_size: int = 16) -> dict[str, Any]:
+    """Operands of `mla_attention` for `batch` sequences of `context` keys, the last t of
+    them draft tokens (a binary tree; causal at t = 1), in shuffled blocks."""
+    gen = torch.Generator(device=DEVICE).manual_seed(heads + t + context)
+    blocks_per_seq = -(-context // block_size)
+    cache = torch.randn(batch * blocks_per_seq, block_size, rank + rope, device=DEVICE,
+                        generator=gen, dtype=torch.bfloat16)
+    tables = torch.randperm(batch * blocks_per_seq, device=DEVICE, generator=gen)
+    q = torch.randn(batch * t, heads, rank + rope, device=DEVICE, generator=gen,
+                    dtype=torch.bfloat16)
+    tree_mask = (torch.tensor(_binary_tree_masks(t) * batch, dtype=torch.int64, device=DEVICE)
+                 if t > 1 else None)
+    args = (q[..., :rank], q[..., rank:], cache,
+            tables.view(batch, blocks_per_seq).to(torch.int32),
+            torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
+            torch.arange(0, batch * t + 1, t, dtype=torch.int32, device=DEVICE), tree_mask,
+            MLA_SCALE, t)
+    return {"args": args, "q": q, "batch": batch, "t": t, "context": context,
+            "block_size": block_size}
+
+
+def check_mla(c: dict[str, Any]) -> None:
+    """The kernel against its reference (bf16 rounding of p and of the output)."""
+    from specd.kernels.mla_attention import mla_attention, mla_attention_ref
+
+    out = mla_attention(*c["args"], max_seq_len=c["context"])
+    torch.testing.assert_close(out.float(), mla_attention_ref(*c["args"]).float(),
+                               rtol=2**-7, atol=2e-2)
+
+
+def bench_mla(heads: int, t: int, context: int) -> dict[str, float]:
+    from specd.kernels.mla_attention import mla_attention
+
+    c = mla_case(heads, t, context)
+    check_mla(c)
+    args, batch, block_size = c["args"], c["batch"], c["block_size"]
+    t_mla = bench_ms(lambda: mla_attention(*args, max_seq_len=context))
+    # SDPA baseline: the latent rows gathered contiguous [B, 1, S, 576], a mask [B, 1, T, S].
+    cache, tables, tree_mask = args[2], args[3], args[6]
+    pos = torch.arange(context, device=DEVICE)
+    rows = cache[tables[:, pos // block_size].long(), pos % block_size][:, None]
+    rel = pos - (context - t)
+    bits = (tree_mask.view(batch, t, 1) if tree_mask is not None
+            else torch.ones(batch, 1, 1, dtype=torch.int64, device=DEVICE))
+    mask = (rel < 0) | (((bits >> rel.clamp(0, 63)) & 1) == 1)  # [B, T, S]
+    q_sdpa = c["q"].view(batch, t, heads, -1).transpose(1, 2)  # [B, H, T, 576]
+    t_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(
+        q_sdpa, rows, rows[..., :MLA_RANK], attn_mask=mask[:, None], scale=MLA_SCALE,
+        enable_gqa=True))
+    latent_bytes = batch * context * (MLA_RANK + MLA_ROPE) * 2
+    flops = 2 * batch * heads * t * context * (2 * MLA_RANK + MLA_ROPE)
+    return {"heads": heads, "t": t, "context": context, "batch": batch,
+            "mla_us": t_mla * 1e3, "sdpa_us": t_sdpa * 1e3, "speedup": t_sdpa / t_mla,
+            "mla_bw_frac": latent_bytes / (t_mla * 1e-3) / PEAK_BYTES_PER_S,
+            "mla_tflops": flops / (t_mla * 1e-3) / 1e12}
+
+
+def run_mla(result: dict[str, Any], out: Path, quick: bool) -> None:
+    """The MLA part of main: every shape, the JSON rewritten after each head count."""
+    result["mla_attention"] = []
+    for heads in MLA_HEADS:
+        for t in (1, 16) if quick else MLA_T:
+            for context in (1024, 8192) if quick else MLA_CONTEXT:
+                result["mla_attention"].append(bench_mla(heads, t, context))
+        _save(out, result)
+    print(_table(result["mla_attention"], ["heads", "t", "context", "batch", "mla_us",
+                                           "sdpa_us", "speedup", "mla_bw_frac",
+                                           "mla_tflops"]), flush=True)
+
+
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -181,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also time 32 split-K configurations at M = 1, 16, 64 on two "
                              "shapes (tuning data for choose_config)")
+    parser.add_argument("--mla-only", action="store_true",
+                        help="run only the MLA attention part")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the kernels' CPU path is the torch "
@@ -193,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__, "group_size": GROUP_SIZE,
         "peak_bytes_per_s": PEAK_BYTES_PER_S, "gemm": [], "tree_attention": [], "sweep": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.mla_only:
+        run_mla(result, args.out, args.quick)
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
     shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
     for name, (k, n) in shapes.items():  # the JSON is rewritten after each part, so a run
         for m in (1, 16, 64) if args.quick else GEMM_M:  # cut short keeps what it measured
@@ -206,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         _save(args.out, result)
     print(_table(result["tree_attention"], ["t", "prefix", "batch", "tree_us", "sdpa_us",
                                             "speedup", "tree_bw_frac"]), flush=True)
+    run_mla(result, args.out, args.quick)
     if args.sweep:  # two shapes: a wide-N and a wide-K one
         for name, (k, n) in list(GEMM_SHAPES.items())[1::3]:
             for m in (1, 16, 64):
