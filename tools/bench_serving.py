@@ -1,8 +1,8 @@
 """Serving benchmark (issue 8): a concurrency sweep per speculation mode against specd,
 with the transformers generate() baseline; prints a table, writes JSON and PNG plots.
 
-The benchmark itself is `specctl bench` (specd.daemon.ctl_bench, with the measuring in
-specd.daemon.bench*), so it runs from an installed package too. This script adds one thing:
+The benchmark itself is `specctl bench` (the package specd.daemon.bench), so it runs from an
+installed package too. This script adds one thing:
 without `--socket` it starts a daemon on a private socket for the run (`--model`, and
 `--daemon-args` passed to `specd`), and stops it afterwards. Every other option goes to
 `specctl bench` (see `--help` there):
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_daemon import DaemonProcess  # noqa: E402
 
-from specd.daemon.ctl_bench import main as ctl_bench_main  # noqa: E402
+from specd.daemon.ctl.cli import cli as specctl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.help:
         parser.print_help()
-        return ctl_bench_main(["bench", "--help"], standalone_mode=False) or 0
+        return specctl(["bench", "--help"], standalone_mode=False) or 0
     daemon = None
     socket_path = args.socket
     if socket_path is None:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.wait_ready()
         socket_path = daemon.socket_path
     try:
-        ctl_bench_main(["--socket", str(socket_path), "bench", *rest], standalone_mode=False)
+        specctl(["--socket", str(socket_path), "bench", *rest], standalone_mode=False)
     finally:
         if daemon is not None:
             daemon.stop()

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 from daemon_harness import Daemon
 
-from specd.daemon.ctl import cli as specctl
+from specd.daemon.ctl.cli import cli as specctl
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 3

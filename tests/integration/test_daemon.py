@@ -64,7 +64,7 @@ def engine() -> object:
 
 
 def test_front_never_imports_torch() -> None:
-    code = ("import sys, specd.daemon.main, specd.daemon.front, specd.daemon.ctl, "
+    code = ("import sys, specd.daemon.main, specd.daemon.front, specd.daemon.ctl.cli, "
             "specd.client; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from specd.daemon.service_install import install_service
+from specd.daemon.ctl.service_install import install_service
 
 # Measured 0.7 ("SAFE") with systemd 252 on the committed specd.service; scale 0 (best)
 # to 10. The remaining points are the GPU device allow-list, @resources syscalls (CUDA's

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon
 
-from specd.daemon.top import Snapshot, render
+from specd.daemon.ctl.top import Snapshot, render
 from specd.ipc import messages as m
 
 FRAME_END = b"q or Ctrl-C quits"

@@ -1,4 +1,4 @@
-"""The paired measurements' arithmetic (bench_paired) and how the targets read them: pure
+"""The paired measurements' arithmetic (bench.paired) and how the targets read them: pure
 functions checked on hand-made windows and pairs; the windows' requests against a stand-in
 client."""
 
@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from specd.daemon.bench_paired import (
+from specd.daemon.bench.paired import (
     Batch1Pairs,
     PairedConfig,
     PairedRun,
@@ -24,7 +24,7 @@ from specd.daemon.bench_paired import (
     summarize_paired,
     tokens_in,
 )
-from specd.daemon.bench_report import check_targets
+from specd.daemon.bench.report import check_targets
 from specd.ipc.sampling import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from specd.daemon.bench_progress import Progress
+from specd.daemon.bench.progress import Progress
 
 
 class _Terminal(io.StringIO):

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import specd.systemd
-from specd.daemon.service_install import default_template_dir, install_service
+from specd.daemon.ctl.service_install import default_template_dir, install_service
 
 REPO = Path(__file__).resolve().parents[2]
 

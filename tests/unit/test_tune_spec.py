@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from specd.daemon.bench import BenchConfig, round_order
-from specd.daemon.bench_report import check_targets, medians, percentiles
-from specd.daemon.tune_spec import (
+from specd.daemon.bench.report import check_targets, medians, percentiles
+from specd.daemon.bench.sweep import BenchConfig, round_order
+from specd.daemon.ctl.tune_spec import (
     LENGTH_SPREAD,
     _run_batch,
     best_chain_depth,

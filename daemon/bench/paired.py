@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from specd.daemon.bench_progress import Progress
+from specd.daemon.bench.progress import Progress
 from specd.ipc.errors import SpecdError
 from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:  # bench imports this module
-    from specd.daemon.bench import BenchClient
+    from specd.daemon.bench.sweep import BenchClient
 
 
 def round_order(modes: list[str], round_index: int) -> list[str]:

@@ -1,7 +1,5 @@
-"""`specctl bench`, `specctl top` and `specctl tune-spec`: measuring and watching a running
-daemon. The commands read the group's settings (`ctx.obj`: socket_path, timeout, as_json)
-and are registered on `specctl` with `cli.add_command`; `python -m specd.daemon.ctl_bench`
-runs them under a small group of its own with the same `--socket`/`--timeout` options.
+"""`specctl bench`: the serving benchmark's command line. It reads the group's settings
+(`ctx.obj`, a `ctl.common.Settings`) and is registered on `specctl`.
 
 Exit codes as specctl's: 1 the daemon answered with an error, 2 usage error, 3 the daemon
 cannot be reached, 4 no answer in time.
@@ -12,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import importlib.util
-import json
 import os
 import platform
 import sys
@@ -21,29 +18,7 @@ from typing import Any
 
 import click
 
-from specd.daemon.ctl_errors import (
-    run_client_call,
-)
-
-
-def _socket(ctx: click.Context) -> Path | None:
-    return getattr(ctx.obj, "socket_path", None)
-
-
-def _timeout(ctx: click.Context) -> float:
-    return float(getattr(ctx.obj, "timeout", 60.0))
-
-
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"expected integers >= 1, got {text!r}")
-    return values
+from specd.daemon.ctl.common import Settings, int_list, run_client_call
 
 
 def machine_info() -> dict[str, Any]:
@@ -57,9 +32,6 @@ def machine_info() -> dict[str, Any]:
     return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
             "num_cpus": os.cpu_count(), "python": platform.python_version(),
             "load_average_1m": os.getloadavg()[0]}  # other work competing for the CPUs
-
-
-# ---- bench -------------------------------------------------------------------------------
 
 
 @click.command()
@@ -105,25 +77,26 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
           baseline_model: Path | None) -> None:
     """Serving benchmark against the running daemon: a concurrency sweep per speculation
     mode; prints a table, writes JSON and PNG plots."""
-    from specd.daemon import bench_report
-    from specd.daemon.bench import BenchConfig, load_prompts, run_sweep
-    from specd.daemon.bench_baseline import Baseline  # torch and transformers load lazily
-    from specd.daemon.bench_paired import (
+    from specd.daemon.bench import report as bench_report
+    from specd.daemon.bench.baseline import Baseline  # torch and transformers load lazily
+    from specd.daemon.bench.paired import (
         PairedConfig,
         summarize_batch1_pairs,
         summarize_paired,
     )
+    from specd.daemon.bench.sweep import BenchConfig, load_prompts, run_sweep
 
+    settings: Settings = ctx.obj
     try:
         if paired_cycles < 0:
             raise ValueError(f"--paired-cycles must be >= 0, got {paired_cycles}")
         paired = (PairedConfig(cycles=paired_cycles, window_s=paired_window)
                   if paired_cycles else None)
         config = BenchConfig(modes=tuple(x.strip() for x in modes.split(",") if x.strip()),
-                             concurrencies=_int_list(concurrency_text),
+                             concurrencies=int_list(concurrency_text),
                              request_rate=request_rate, num_requests=num_requests,
                              max_duration_s=max_duration, max_tokens=max_tokens,
-                             rounds=rounds, timeout_s=max(_timeout(ctx), 600.0),
+                             rounds=rounds, timeout_s=max(settings.timeout, 600.0),
                              paired=paired, batch1_pairs=batch1_pairs if baseline else 0)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -159,7 +132,7 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
                        err=True)
 
     sweep = run_client_call(lambda: asyncio.run(run_sweep(
-        _socket(ctx), config, baseline_round if baseline else None,
+        settings.socket_path, config, baseline_round if baseline else None,
         (lambda daemon: baseline_runner(daemon).run_prompt) if baseline else None)))
     points = [bench_report.summarize(p) for p in sweep.points]
     paired_rows = [summarize_paired(run) for run in sweep.paired]
@@ -198,82 +171,3 @@ def bench(ctx: click.Context, modes: str, concurrency_text: str, request_rate: f
     click.echo(bench_report.format_table(report))
     click.echo(f"wrote {out_dir / 'bench_serving.json'}"
                + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
-
-
-# ---- top ---------------------------------------------------------------------------------
-
-
-@click.command()
-@click.option("--interval", type=float, default=1.0, show_default=True,
-              help="seconds between frames")
-@click.option("--frames", type=int, default=None,
-              help="stop after this many frames [default: until q or Ctrl-C]")
-@click.pass_context
-def top(ctx: click.Context, interval: float, frames: int | None) -> None:
-    """Live view: running and queued requests, batch, speculation, tokens/s, KV use.
-    q or Ctrl-C quits."""
-    from specd.daemon.top import run_top
-
-    if not interval > 0:
-        raise click.UsageError(f"--interval must be > 0, got {interval}")
-    run_client_call(lambda: run_top(_socket(ctx), _timeout(ctx), interval, frames))
-
-
-# ---- tune-spec ---------------------------------------------------------------------------
-
-
-@click.command("tune-spec")
-@click.option("--batch-sizes", "batch_text", default="1,2,4,8,16,32", show_default=True,
-              help="batch sizes to measure (comma-separated)")
-@click.option("--max-tokens", type=int, default=48, show_default=True,
-              help="output tokens per request while measuring")
-@click.option("--write-env", type=click.Path(path_type=Path), default=None,
-              help="update this environment file's SPECD_ARGS with the chosen settings")
-@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-@click.pass_context
-def tune_spec(ctx: click.Context, batch_text: str, max_tokens: int, write_env: Path | None,
-              as_json: bool) -> None:
-    """Measure where speculation stops paying on this machine and print the settings."""
-    from specd.daemon.tune_spec import format_tuning, measure, update_env_file
-
-    batch_sizes = _int_list(batch_text)
-    if max_tokens < 2:
-        raise click.UsageError(f"--max-tokens must be >= 2, got {max_tokens}")
-    tuning = run_client_call(lambda: asyncio.run(measure(_socket(ctx), batch_sizes, max_tokens,
-                                              max(_timeout(ctx), 600.0))))
-    if as_json or getattr(ctx.obj, "as_json", False):
-        click.echo(json.dumps(tuning))
-    else:
-        click.echo(format_tuning(tuning))
-    if write_env is not None:
-        changed = update_env_file(write_env, tuning["recommended_flags"])
-        click.echo(f"updated {write_env}: {changed}", err=True)
-
-
-# ---- standalone ---------------------------------------------------------------------------
-
-
-class _Settings:
-    def __init__(self, socket_path: Path | None, timeout: float, as_json: bool) -> None:
-        self.socket_path = socket_path
-        self.timeout = timeout
-        self.as_json = as_json
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
-              envvar="SPECD_SOCKET", help="daemon socket [default: $SPECD_SOCKET or the "
-              "daemon's default path]")
-@click.option("--timeout", type=float, default=60.0, show_default=True)
-@click.pass_context
-def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
-    """bench, top and tune-spec outside specctl (same commands)."""
-    ctx.obj = _Settings(socket_path, timeout, False)
-
-
-main.add_command(bench)
-main.add_command(top)
-main.add_command(tune_spec)
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ At each batch size b, b clients send greedy requests (held-out prompts, `ignore_
 a closed loop, once with speculation off and once on, so the batch stays at b. The load is
 steady, as a service's is: each request's length is drawn uniformly within +-50% of
 `--max-tokens` and each client's first request is cut at a uniform point
-(`bench_paired.request_lengths`), so requests end and join a few at a time. With equal
+(`bench.paired.request_lengths`), so requests end and join a few at a time. With equal
 lengths the clients moved in waves (all prefilling, all decoding, all ending together),
 and plain decode measured in waves ran up to twice as fast as under a steady load on the
 2-core CPU: the crossing measured in waves (21) turned speculation off at 32-64 requests
@@ -37,16 +37,19 @@ a CPU, where the verify pass costs in proportion to its tokens: on a CPU the cha
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import click
 import msgspec
 
-from specd.daemon.bench import BenchClient, load_prompts
-from specd.daemon.bench_paired import request_lengths
+from specd.daemon.bench.paired import request_lengths
+from specd.daemon.bench.sweep import BenchClient, load_prompts
+from specd.daemon.ctl.common import Settings, int_list, run_client_call
 from specd.ipc.errors import SpecdError
 from specd.ipc.sampling import SamplingParams
 
@@ -294,3 +297,30 @@ def update_env_file(path: Path, flags: dict[str, str]) -> str:
         os.chmod(tmp, path.stat().st_mode & 0o777)
     os.replace(tmp, path)
     return next(line for line in new_text.splitlines() if line.startswith("SPECD_ARGS="))
+
+
+@click.command("tune-spec")
+@click.option("--batch-sizes", "batch_text", default="1,2,4,8,16,32", show_default=True,
+              help="batch sizes to measure (comma-separated)")
+@click.option("--max-tokens", type=int, default=48, show_default=True,
+              help="output tokens per request while measuring")
+@click.option("--write-env", type=click.Path(path_type=Path), default=None,
+              help="update this environment file's SPECD_ARGS with the chosen settings")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@click.pass_context
+def tune_spec(ctx: click.Context, batch_text: str, max_tokens: int, write_env: Path | None,
+              as_json: bool) -> None:
+    """Measure where speculation stops paying on this machine and print the settings."""
+    settings: Settings = ctx.obj
+    batch_sizes = int_list(batch_text)
+    if max_tokens < 2:
+        raise click.UsageError(f"--max-tokens must be >= 2, got {max_tokens}")
+    tuning = run_client_call(lambda: asyncio.run(measure(
+        settings.socket_path, batch_sizes, max_tokens, max(settings.timeout, 600.0))))
+    if as_json or settings.as_json:
+        click.echo(json.dumps(tuning))
+    else:
+        click.echo(format_tuning(tuning))
+    if write_env is not None:
+        changed = update_env_file(write_env, tuning["recommended_flags"])
+        click.echo(f"updated {write_env}: {changed}", err=True)

@@ -10,8 +10,8 @@ speculation one delta may carry several tokens), acceptance length and the share
 engine steps that speculated. Greedy, `ignore_eos`, a fixed `max_tokens`: every request
 produces the same number of tokens in every mode, so the modes are compared on equal work.
 
-Reporting (table, JSON, plots) lives in `bench_report`, the transformers baseline in
-`bench_baseline`; `specctl bench` and `tools/bench_serving.py` are the command lines.
+Reporting (table, JSON, plots) lives in `report`, the transformers baseline in
+`baseline`; `specctl bench` and `tools/bench_serving.py` are the command lines.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specd.daemon.bench_paired import (
+from specd.daemon.bench.paired import (
     BaselinePrompt,
     Batch1Pairs,
     PairedConfig,
@@ -36,7 +36,7 @@ from specd.daemon.bench_paired import (
     run_batch1_pairs,
     run_paired,
 )
-from specd.daemon.bench_progress import Progress
+from specd.daemon.bench.progress import Progress
 from specd.ipc import messages as m
 from specd.ipc.async_client import AsyncClient
 from specd.ipc.errors import ProtocolError, SpecdError
@@ -72,10 +72,10 @@ class BenchConfig:
         and their order rotated from round to round (a machine that drifts by tens of
         percent within minutes then biases no mode).
     paired: after the rounds of each concurrency, the modes' paired windows on one running
-        load (bench_paired; None: not run). The auto target reads them where they ran,
+        load (paired.py; None: not run). The auto target reads them where they ran,
         else the rounds' medians.
     batch1_pairs: with a baseline, this many prompts run alternately through specd (spec
-        on, batch 1) and the baseline (bench_paired.run_batch1_pairs; 0: not run). The
+        on, batch 1) and the baseline (paired.run_batch1_pairs; 0: not run). The
         batch-1 target reads them where they ran, else the medians of the rounds.
     """
 
@@ -215,7 +215,7 @@ def engine_sample(stats: dict[str, Any]) -> EngineSample:
 
 @dataclass(frozen=True)
 class PointRun:
-    """What one sweep point measured, before summary (see bench_report.summarize)."""
+    """What one sweep point measured, before summary (see report.summarize)."""
 
     mode: str
     concurrency: int

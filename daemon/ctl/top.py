@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import click
+
+from specd.daemon.ctl.common import Settings, run_client_call
 from specd.ipc import messages as m
 from specd.ipc.client import Client
 
@@ -150,3 +153,19 @@ def run_top(socket_path: Path | None, timeout: float, interval: float,
                     time.sleep(interval)
         except KeyboardInterrupt:
             pass  # Ctrl-C is the documented way out, like q
+
+
+@click.command()
+@click.option("--interval", type=float, default=1.0, show_default=True,
+              help="seconds between frames")
+@click.option("--frames", type=int, default=None,
+              help="stop after this many frames [default: until q or Ctrl-C]")
+@click.pass_context
+def top(ctx: click.Context, interval: float, frames: int | None) -> None:
+    """Live view: running and queued requests, batch, speculation, tokens/s, KV use.
+    q or Ctrl-C quits."""
+    if not interval > 0:
+        raise click.UsageError(f"--interval must be > 0, got {interval}")
+    settings: Settings = ctx.obj
+    run_client_call(lambda: run_top(settings.socket_path, settings.timeout, interval,
+                                    frames))

@@ -24,28 +24,11 @@ from typing import Any
 import click
 import msgspec
 
-from specd.daemon.ctl_errors import (
-    EXIT_DOCTOR_PROBLEM,
-    EXIT_TIMEOUT,
-    run_client_call,
-)
-from specd.ipc.client import Client
+from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM, EXIT_TIMEOUT, Settings, run_client_call
 from specd.ipc.errors import DaemonUnavailable, SpecdError
 from specd.ipc.generation import GenerateResult, StreamDelta
 from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
-
-
-class Settings:
-    """Options shared by every command (set on the group)."""
-
-    def __init__(self, socket_path: Path | None, timeout: float, as_json: bool) -> None:
-        self.socket_path = socket_path
-        self.timeout = timeout
-        self.as_json = as_json
-
-    def client(self) -> Client:
-        return Client(self.socket_path, timeout=self.timeout)
 
 
 def _json_option(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,8 +40,6 @@ def _emit_json(value: Any) -> None:
     if isinstance(value, msgspec.Struct):
         value = msgspec.structs.asdict(value)
     click.echo(json.dumps(msgspec.to_builtins(value, enc_hook=str)))
-
-
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -169,7 +150,7 @@ def _local_stream(model: str | None, text: str, messages: list[dict[str, str]] |
                   sampling: SamplingParams
                   ) -> tuple[Iterator[StreamDelta], Callable[[], GenerateResult | None]]:
     """The in-process engine, detokenized the way the daemon does it."""
-    from specd.daemon.local import LocalGeneration
+    from specd.daemon.ctl.local import LocalGeneration
 
     generation = LocalGeneration(model, text, messages, sampling)
     return generation.deltas(), lambda: generation.result
@@ -322,7 +303,7 @@ def _report_ack(settings: Settings, message: str) -> None:
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Checks to run first when something is wrong; each prints ok or what to do."""
-    from specd.daemon.doctor import run_checks
+    from specd.daemon.ctl.doctor import run_checks
 
     settings = _settings(ctx, as_json)
     results = run_checks(settings.socket_path, settings.timeout)
@@ -339,8 +320,10 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own modules (owned with the features they drive)."""
-    from specd.daemon.ctl_bench import bench, top, tune_spec
-    from specd.daemon.service_install import install_service
+    from specd.daemon.bench.command import bench
+    from specd.daemon.ctl.service_install import install_service
+    from specd.daemon.ctl.top import top
+    from specd.daemon.ctl.tune_spec import tune_spec
 
     for command in (bench, top, tune_spec, install_service):
         cli.add_command(command)

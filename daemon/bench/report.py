@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from specd.daemon.bench import EngineSample, PointRun
-from specd.daemon.bench_paired import counter_spec_share
+from specd.daemon.bench.paired import counter_spec_share
+from specd.daemon.bench.sweep import EngineSample, PointRun
 from specd.ipc.messages import SPEC_MODES
 
 AUTO_TARGET = 0.97
@@ -148,7 +148,7 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
     """auto vs the better of on/off at each concurrency, and batch-1 spec-on vs the
     transformers baseline.
 
-    Each target reads its paired measurement where one ran (bench_paired: auto from the
+    Each target reads its paired measurement where one ran (paired.py: auto from the
     modes' windows on one running load, `source` "paired windows", spread `by_cycle`; batch
     1 from prompts run alternately through both, "pairs", spread `by_pair`), since those
     compare figures taken seconds apart; else the medians over rounds ("rounds' medians").
@@ -191,7 +191,7 @@ def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
                               "baseline_tokens_per_s": None, "ratio": None, "met": None,
                               "ratio_rounds": None}
     if baseline is not None and specd_b1 is not None:
-        # Round r of the baseline ran right after round r of batch 1 (see ctl_bench).
+        # Round r of the baseline ran right after round r of batch 1 (see command.py).
         on_rounds = [p["output_tokens_per_s"] for p in _by_point(points).get(("on", 1), [])]
         base_rounds = baseline.get("tokens_per_s_by_round") or []
         ratio = specd_b1 / baseline["tokens_per_s"]
