@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.workers.model_config import RopeScaling
+from specd.workers.rope import yarn_parameters
 
 
 class LinearFactory(Protocol):
@@ -67,17 +68,23 @@ class RotaryEmbedding:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
         inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [head_dim / 2]
+        self.attention_scaling = 1.0  # cos and sin are multiplied by it (YaRN)
         if scaling is not None and scaling.rope_type == "linear":
             inv_freq = inv_freq / scaling.factor
         elif scaling is not None and scaling.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif scaling is not None and scaling.rope_type == "yarn":
+            inv_freq, self.attention_scaling = yarn_parameters(head_dim, theta, scaling, device)
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [N] -> (cos, sin), each [N, 1, head_dim / 2] in `dtype`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, head_dim / 2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

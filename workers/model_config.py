@@ -4,6 +4,9 @@
 end-of-sequence ids) into one frozen object that the model, the loader, the KV cache and the
 engine all read. Anything the engine cannot serve faithfully is rejected here with a
 ValueError naming the field and the supported values, before any weight is touched.
+
+DeepSeek-V3 / Kimi-K2 (and Kimi-K2.5's language model) add an `MlaConfig` and a `MoeConfig`
+(deepseek_config.py); for the dense decoders both are None.
 """
 
 from __future__ import annotations
@@ -13,29 +16,57 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specd.workers.deepseek_config import (
+    MLA_ARCHITECTURE,
+    MlaConfig,
+    MoeConfig,
+    language_model_config,
+    num_mtp_layers,
+    parse_mla,
+    parse_moe,
+)
+
 # Architectures the decoder serves, and what each adds to the Llama block.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    MLA_ARCHITECTURE,
 )
 # Rope types the rotary embedding implements ("default" = plain theta^(-2i/d)).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MLA_ROPE_TYPES = ("default", "yarn")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
+YARN_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
+                  "original_max_position_embeddings", "attention_factor", "beta_fast",
+                  "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling: `linear` divides positions by `factor`; `llama3` rescales the
-    low frequencies (Llama 3.1's scheme, as transformers' `_compute_llama3_parameters`)."""
+    low frequencies (Llama 3.1's scheme, as transformers' `_compute_llama3_parameters`);
+    `yarn` blends interpolated and original frequencies between the correction dimensions
+    of beta_fast and beta_slow, scales cos/sin by `attention_factor` (or the mscale ratio)
+    and, for MLA, the softmax by mscale(factor, mscale_all_dim)^2 (workers/rope.py)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,13 @@ class ModelConfig:
         Mistral checkpoints); the engine caps its maximum length at it, so that full causal
         attention stays exact.
     quantization_config: `config.json`'s raw `quantization_config`, for the INT4 layers.
+    mla, moe: DeepSeek-V3's attention and experts (None for the dense decoders; num_kv_heads
+        is then nominal, equal to num_heads, and head_dim is the q/k head dim, nope + rope).
+    weight_prefix: the prefix of the served model's tensor names in the checkpoint
+        ("language_model." for Kimi-K2.5, whose other tensors are its vision part, not
+        served); "" for a plain causal LM.
+    num_mtp_layers: multi-token-prediction layers stored after the last decoder layer
+        (numbered num_layers, ...): not served, their tensors are skipped.
     """
 
     model_dir: Path
@@ -73,6 +111,26 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
+    weight_prefix: str = ""
+    num_mtp_layers: int = 0
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Paged-cache elements one token takes over all layers: K and V of every KV head,
+        or for MLA the latent [kv_c_normed ‖ roped k_pe] (kv_lora_rank + qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_size
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def kv_layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's paged-cache tensor: `[2, num_blocks, block_size, num_kv_heads,
+        head_dim]` (K at [0], V at [1]), or for MLA `[num_blocks, block_size, kv_lora_rank +
+        qk_rope_head_dim]` (one latent row per token, shared by all heads)."""
+        if self.mla is not None:
+            return (num_blocks, block_size, self.mla.latent_size)
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def max_model_len(self) -> int:
@@ -102,21 +160,31 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], model_dir: Path,
                   generation: dict[str, Any] | None = None) -> ModelConfig:
         where = model_dir / "config.json"
+        raw, weight_prefix = language_model_config(raw, where)
         architecture = _architecture(raw, where)
         hidden = _int(raw, "hidden_size", where)
         num_heads = _int(raw, "num_attention_heads", where)
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        is_mla = architecture == MLA_ARCHITECTURE
+        mla = parse_mla(raw, where) if is_mla else None
+        # MLA's num_key_value_heads is nominal (one latent serves every head).
+        num_kv_heads = num_heads if is_mla else int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"{where}: num_attention_heads ({num_heads}) must be a multiple "
                              f"of num_key_value_heads ({num_kv_heads})")
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        head_dim = (mla.qk_head_dim if mla is not None
+                    else int(raw.get("head_dim") or hidden // num_heads))
         attention_bias = bool(raw.get("attention_bias", False))
-        # Qwen2 always biases q/k/v; Llama and Qwen3 bias q/k/v/o with `attention_bias`.
+        # Qwen2 always biases q/k/v; Llama and Qwen3 bias q/k/v/o with `attention_bias`
+        # (MLA's biases are MlaConfig.attention_bias).
         biased = attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
-        rope_theta, rope_scaling = _rope(raw, where)
+        rope_theta, rope_scaling = _rope(raw, where, MLA_ROPE_TYPES if is_mla
+                                         else SUPPORTED_ROPE_TYPES)
         activation = raw.get("hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{where}: hidden_act {activation!r} is not supported (only silu)")
+        if is_mla and raw.get("quantization_config") is not None:
+            raise ValueError(f"{where}: quantization_config is not supported for "
+                             f"{architecture} yet (unquantized checkpoints only)")
         return cls(
             model_dir=model_dir,
             architecture=architecture,
@@ -140,6 +208,10 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization_config=raw.get("quantization_config"),
+            mla=mla,
+            moe=parse_moe(raw, where) if is_mla else None,
+            weight_prefix=weight_prefix,
+            num_mtp_layers=num_mtp_layers(raw) if is_mla else 0,
         )
 
 
@@ -171,7 +243,8 @@ def _architecture(raw: dict[str, Any], where: Path) -> str:
     return str(name)
 
 
-def _rope(raw: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
+def _rope(raw: dict[str, Any], where: Path, supported: tuple[str, ...]
+          ) -> tuple[float, RopeScaling | None]:
     """Read rope from either layout: transformers 5's `rope_parameters` (theta inside) or
     the older `rope_theta` + `rope_scaling` (whose type key is `rope_type` or `type`)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -180,13 +253,15 @@ def _rope(raw: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (only 1.0)")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise ValueError(f"{where}: unsupported rope type {rope_type!r}; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+                         f"supported: {', '.join(supported)}")
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return theta, _yarn(raw, params, where)
     missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
     if missing:
         raise ValueError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
@@ -197,6 +272,37 @@ def _rope(raw: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def _yarn(raw: dict[str, Any], params: dict[str, Any], where: Path) -> RopeScaling:
+    """YaRN as transformers reads it: a top-level original_max_position_embeddings wins over
+    the rope dict's, which defaults to max_position_embeddings; a null factor is their
+    ratio; a null (or zero) beta_fast / beta_slow is 32 / 1."""
+    unknown = sorted(set(params) - set(YARN_ROPE_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: yarn rope scaling key {unknown[0]!r} is not supported; "
+                         f"supported: {', '.join(YARN_ROPE_KEYS)}")
+    original = int(raw.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings")
+                   or _int(raw, "max_position_embeddings", where))
+    factor = params.get("factor")
+    if factor is None:
+        factor = _int(raw, "max_position_embeddings", where) / original
+    try:
+        return RopeScaling("yarn", factor=float(factor),
+                           original_max_position_embeddings=original,
+                           beta_fast=float(params.get("beta_fast") or 32),
+                           beta_slow=float(params.get("beta_slow") or 1),
+                           mscale=_optional_float(params, "mscale"),
+                           mscale_all_dim=_optional_float(params, "mscale_all_dim"),
+                           attention_factor=_optional_float(params, "attention_factor"),
+                           truncate=bool(params.get("truncate", True)))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _optional_float(params: dict[str, Any], key: str) -> float | None:
+    return None if params.get(key) is None else float(params[key])
 
 
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:

@@ -66,8 +66,8 @@ def test_llama3_rope_scaling_in_either_layout(tmp_path: Path, rope: dict[str, An
 
 
 def test_unknown_rope_type_is_refused(tmp_path: Path) -> None:
-    config = {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'.*llama3"):
+    config = {**LLAMA, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported rope type 'longrope'.*llama3, yarn"):
         ModelConfig.from_dir(write(tmp_path, config))
 
 
