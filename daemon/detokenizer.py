@@ -5,10 +5,14 @@ already emitted, `read_offset:` is new), the way vLLM and mini-sglang do it: dec
 window gives the same text as decoding everything for byte-level BPE, at a cost that does
 not grow with the output. Two holds keep streamed text exact:
 
-* a window whose text ends in U+FFFD ends in an incomplete UTF-8 character: text is taken
-  only up to the last token that completes a character, and the rest waits for the next
-  tokens (never half a character), unless `MAX_PENDING_TOKENS` pile up, which only a truly
-  invalid byte sequence does, or the request finishes;
+* a window whose text ends in U+FFFD may end inside a UTF-8 character: a byte-level token
+  (tiktoken's, or a byte-level BPE's) can hold the end of one character and the start of
+  the next, so a character may never end on a token boundary for several tokens. The text
+  before the trailing U+FFFDs is emitted (bytes before an incomplete character decode the
+  same whatever follows), the last `MAX_HELD_REPLACEMENTS` of them wait for the next
+  tokens (never half a character), and the window moves on once it ends on a whole
+  character, or when the request finishes, or after `MAX_WINDOW_TOKENS` tokens (bounds the
+  cost of decoding; in practice only a run of invalid bytes gets there);
 * the last `max(len(stop)) - 1` characters are held back while a stop string could still
   complete across them; when one matches, the text is cut exactly before it and
   `stop_string` names it. Text sent earlier never includes any part of a stop string.
@@ -19,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so spans at most 4 tokens
-MAX_PENDING_TOKENS = 8  # undecodable tokens held before they are emitted as U+FFFD
+# An incomplete UTF-8 character (at most 3 bytes of 4) decodes to one U+FFFD with
+# byte-level tokens, one per byte with byte-fallback tokens: never more than 3.
+MAX_HELD_REPLACEMENTS = 3
+MAX_WINDOW_TOKENS = 256
 REPLACEMENT = "\ufffd"
 
 
@@ -38,6 +44,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._num_pending_chars = 0  # text past `read_offset` already appended
         self.text = ""
         self.num_emitted_chars = 0
         self.stop_string: str | None = None
@@ -69,25 +76,22 @@ class IncrementalDetokenizer:
         if self._read_offset >= len(ids):
             return
         prefix = self._tokenizer.decode(ids[self._prefix_offset:self._read_offset])
-        # Take the longest window that ends on a complete character; one character spans at
-        # most the last MAX_CHAR_TOKENS tokens, so only those few ends are tried.
-        lowest_end = max(self._read_offset, len(ids) - MAX_CHAR_TOKENS)
-        for end in range(len(ids), lowest_end, -1):
-            window = self._tokenizer.decode(ids[self._prefix_offset:end])
-            if len(window) > len(prefix) and not window.endswith(REPLACEMENT):
-                break
+        window = self._tokenizer.decode(ids[self._prefix_offset:])
+        force = force or len(ids) - self._read_offset >= MAX_WINDOW_TOKENS
+        num_trailing = len(window) - len(window.rstrip(REPLACEMENT))
+        held = 0 if force else min(num_trailing, MAX_HELD_REPLACEMENTS)
+        start = len(prefix) + self._num_pending_chars  # chars of `window` already appended
+        end = len(window) - held
+        if end > start:
+            self._append(window[start:end])
+        if held == 0 and len(window) > len(prefix):
+            # The window ends on a whole character: all its text is out; move on.
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._num_pending_chars = 0
         else:
-            # Only invalid bytes (or skipped special tokens) pending: wait, unless too many
-            # piled up or the request is over.
-            if not force and len(ids) - self._read_offset < MAX_PENDING_TOKENS:
-                return
-            end = len(ids)
-            window = self._tokenizer.decode(ids[self._prefix_offset:end])
-            if len(window) <= len(prefix):
-                return
-        self._prefix_offset = self._read_offset
-        self._read_offset = end
-        self._append(window[len(prefix):])
+            # Wait for the character to complete (or, with no new text, for tokens that
+            # decode to something: skipped special tokens stay in the window).
+            self._num_pending_chars = max(self._num_pending_chars, end - len(prefix))
 
     def _append(self, delta: str) -> None:
         # A match can start up to `hold` characters before the new text.
