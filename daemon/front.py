@@ -24,7 +24,7 @@ from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
 from specd.daemon.detokenizer import IncrementalDetokenizer
 from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
-from specd.daemon.prompts import PromptEncoder, RequestError
+from specd.daemon.prompts import PromptEncoder, PromptText, RequestError
 from specd.daemon.request_table import OpenRequest, RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.daemon.server import Connection, start_server
@@ -437,10 +437,11 @@ class Front:
         assert self.ready is not None  # admission checked it
         return int(self.ready.resolved["max_model_len"])
 
-    async def _tokenize_and_submit(self, request: OpenRequest, text: str,
+    async def _tokenize_and_submit(self, request: OpenRequest, prompt: PromptText,
                                    sampling: SamplingParams) -> None:
         try:
-            prompt_ids = await self.prompts.encode_off_loop(text)
+            prompt_ids = await self.prompts.encode_off_loop(prompt.text,
+                                                            prompt.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - ends this request; the log has the rest
             log.exception("tokenizing request %s failed", request.request_id,
                           extra={"event": "internal_error"})

@@ -3,7 +3,9 @@
 The front has one event loop for every client, so the cost of one prompt must not land on
 it. In order:
 
-1. Checks that need no tokenizing: stop strings within bounds, the chat template renders,
+1. Checks that need no tokenizing: stop strings within bounds, the chat template renders
+   (with the request's tools and template kwargs; a rendered chat is encoded without the
+   tokenizer's own special tokens, since the template writes them),
    and the prompt's UTF-8 length is below what `max_model_len` tokens could possibly
    encode (`Tokenizer.max_bytes_per_token`, see token_bound.py). A longer prompt is
    refused `prompt_too_long` at once: tokenizing megabytes only to learn that would cost
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 
@@ -43,11 +46,20 @@ class RequestError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class PromptText:
+    """A prompt's text left for the worker thread, and how to encode it (`Tokenizer.encode`:
+    False for a rendered chat)."""
+
+    text: str
+    add_special_tokens: bool
+
+
 class PromptEncoder:
     """Prompt text -> token ids for the front: checks, then the loop or the worker thread.
 
     `prepare` runs on the event loop and returns either the token ids or, for a long
-    prompt, its text for `encode_off_loop`. `close` stops the worker thread.
+    prompt, its `PromptText` for `encode_off_loop`. `close` stops the worker thread.
     """
 
     def __init__(self, tokenizer: Tokenizer, config: DaemonConfig) -> None:
@@ -64,7 +76,7 @@ class PromptEncoder:
                       "malloc_trim is not available (not glibc): memory freed after large "
                       "prompts stays with the front process")
 
-    def prepare(self, message: m.Generate, max_model_len: int) -> list[int] | str:
+    def prepare(self, message: m.Generate, max_model_len: int) -> list[int] | PromptText:
         """Token ids when known at once (given, or a short prompt), else the prompt text.
 
         Raises RequestError: `bad_request` for stop strings out of bounds or a chat
@@ -73,16 +85,17 @@ class PromptEncoder:
         self._check_stop_strings(message.sampling.stop)
         if message.prompt_token_ids is not None:
             return message.prompt_token_ids
-        text = self._render(message)
-        self._check_bytes(text, max_model_len)
-        if len(text) < INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text)
-        return text
+        prompt = self._render(message)
+        self._check_bytes(prompt.text, max_model_len)
+        if len(prompt.text) < INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
+        return prompt
 
-    async def encode_off_loop(self, text: str) -> list[int]:
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize `text` on the worker thread, then give the freed memory back."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self._encode_and_trim, text)
+        return await loop.run_in_executor(
+            self._worker, self._encode_and_trim, text, add_special_tokens)
 
     def release_memory_soon(self) -> None:
         """Give freed memory back to the OS, on the worker thread (after a large frame)."""
@@ -91,8 +104,8 @@ class PromptEncoder:
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    def _encode_and_trim(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
+    def _encode_and_trim(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens)
         release_free_memory()  # the tokenizer's working memory is several times the text
         return ids
 
@@ -104,14 +117,16 @@ class PromptEncoder:
             raise RequestError("bad_request", f"a stop string is longer than "
                                f"{self._config.max_stop_chars} characters")
 
-    def _render(self, message: m.Generate) -> str:
+    def _render(self, message: m.Generate) -> PromptText:
         if message.messages is None:
-            return message.prompt or ""
+            return PromptText(message.prompt or "", add_special_tokens=True)
         try:
-            return self.tokenizer.apply_chat_template(
-                [msgspec.structs.asdict(x) for x in message.messages])
+            text = self.tokenizer.apply_chat_template(
+                msgspec.to_builtins(message.messages), tools=message.tools,
+                **(message.chat_template_kwargs or {}))
         except TemplateError as exc:
             raise RequestError("bad_request", f"chat template: {exc}") from exc
+        return PromptText(text, add_special_tokens=False)
 
     def _check_bytes(self, text: str, max_model_len: int) -> None:
         per_token = self.tokenizer.max_bytes_per_token

@@ -17,7 +17,7 @@ array-shaped ones) names the message.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -36,6 +36,11 @@ ClientId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 MAX_PROMPT_CHARS = 4 * 2**20
 MAX_MESSAGES = 1024
+MAX_TOOLS = 256
+MAX_TEMPLATE_KWARGS = 64
+# Template variables a request cannot set through chat_template_kwargs: the renderer sets
+# them from the request's own fields.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents")
 
 ERROR_CODES = (
     "bad_frame",  # framing broken (size, truncation, garbage): the connection is closed
@@ -58,9 +63,25 @@ ERROR_CODES = (
 # ---- client -> front ---------------------------------------------------------------------
 
 
+class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One part of a message's content given as a list (only text parts: no media)."""
+
+    type: Literal["text"]
+    text: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A chat message as the model's template reads it: `content` is a string, a list of
+    text parts, or nil (an assistant turn that only calls tools). `tool_calls` (assistant),
+    `tool_call_id` and `name` (a tool's result) are passed to the template as given; nil
+    fields are left out of what it sees."""
+
     role: Annotated[str, Meta(min_length=1, max_length=64)]
-    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    content: (Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+              | Annotated[list[TextPart], Meta(max_length=MAX_MESSAGES)] | None)
+    name: Annotated[str, Meta(max_length=256)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
@@ -73,7 +94,9 @@ class Generate(_Request, frozen=True, tag="generate"):
     """Exactly one of `prompt` (raw text), `messages` (rendered with the model's chat
     template) or `prompt_token_ids`. `stream=True` sends `Delta` frames as text arrives;
     either way a `Final` (or an `Error`) ends the request. `deadline_s`: seconds from
-    arrival after which the request ends with `deadline_exceeded`."""
+    arrival after which the request ends with `deadline_exceeded`. With `messages` only:
+    `tools` (JSON schemas, the template's `tools`) and `chat_template_kwargs` (template
+    variables, e.g. `add_generation_prompt` (default true) or `enable_thinking`)."""
 
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
@@ -81,6 +104,9 @@ class Generate(_Request, frozen=True, tag="generate"):
     sampling: SamplingParams = SamplingParams()
     stream: bool = True
     deadline_s: Annotated[float, Meta(gt=0, le=86400)] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: (Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)]
+                           | None) = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
@@ -88,6 +114,15 @@ class Generate(_Request, frozen=True, tag="generate"):
             raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if self.messages is None and (self.tools is not None
+                                      or self.chat_template_kwargs is not None):
+            raise ValueError("tools and chat_template_kwargs go with messages only")
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}")
+        if not isinstance(kwargs.get("add_generation_prompt", True), bool):
+            raise ValueError("chat_template_kwargs.add_generation_prompt must be a bool")
 
 
 class Abort(_Request, frozen=True, tag="abort"):

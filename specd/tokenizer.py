@@ -1,39 +1,197 @@
-"""The model's tokenizer: `tokenizer.json` through `tokenizers`, chat templates through jinja2.
+"""The model's tokenizer: `tokenizer.json` (through `tokenizers`) or `tiktoken.model` (through
+`tiktoken`, `tiktoken_tokenizer.py`), and its chat templates (`chat_template.py`).
 
-No torch here: the front process tokenizes and detokenizes. Chat templates are rendered the
-way transformers renders them (a sandboxed jinja2 environment with `trim_blocks`,
-`lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter and `raise_exception`),
-so a model's own template gives the same text under specd as under transformers.
+No torch here: the front process tokenizes and detokenizes. The two file formats are two
+`TokenizerBackend`s behind one `Tokenizer`; `tokenizer.json` wins when a model has both,
+and a model with neither fails to load (ValueError naming both files).
+
+Special tokens around a prompt follow the tokenizer's own rule, as transformers'
+AutoTokenizer does: for `tokenizer.json`, its post-processor (Llama-3's adds
+`<|begin_of_text|>`); for a `tokenizer.json` without one, and for `tiktoken.model`,
+`tokenizer_config.json`'s `add_bos_token` / `add_eos_token` (both false when absent; Kimi
+sets neither). The rule is read once at load as the ids it puts before and after a prompt
+(`prefix_ids`, `suffix_ids`). `encode(text)` adds them, except a prefix the text's own
+tokens already start with: a prompt that begins with its BOS never gets a second one.
+`encode(text, add_special_tokens=False)` adds none; a rendered chat template is encoded so,
+since the template writes its own special tokens (transformers' `apply_chat_template` does
+the same).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from specd.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplates, Message, TemplateError
+from specd.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenBackend
 from specd.token_bound import bytes_per_token_bound
 
-Message = Mapping[str, Any]
+__all__ = ["TOKENIZER_FILES", "Message", "TemplateError", "Tokenizer", "TokenizerBackend"]
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, TIKTOKEN_FILE)  # in the order they are looked for
 
 
-class TemplateError(ValueError):
-    """The chat template raised, or the model has none."""
+class TokenizerBackend(Protocol):
+    """Text <-> ids for one file format. `encode` adds no special tokens of its own (special
+    tokens written in the text are encoded as such); `decode` of ids with no token gives
+    nothing for them. `max_bytes_per_token`: the most UTF-8 bytes of prompt text one token
+    can stand for (`token_bound.py`), or None, `bound_reason` saying why."""
+
+    vocab_size: int
+    max_bytes_per_token: int | None
+    bound_reason: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+class HFBackend:
+    """A `tokenizer.json` through the `tokenizers` library."""
+
+    def __init__(self, tokenizer: HFTokenizer, max_bytes_per_token: int | None,
+                 bound_reason: str) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_bytes_per_token = max_bytes_per_token
+        self.bound_reason = bound_reason
+
+    @classmethod
+    def from_file(cls, path: Path) -> HFBackend:
+        """Raises ValueError naming the file when it does not parse or load."""
+        text = _read_text(path)
+        spec = _parse_json(text, path)
+        try:
+            tokenizer = HFTokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ValueError(f"{path}: not a tokenizer the `tokenizers` library can "
+                             f"load: {exc}") from exc
+        # The front counts a prompt's real tokens: a tokenizer.json that truncates or pads
+        # would hide a prompt that is too long, or add tokens nobody sent.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        return cls(tokenizer, *bytes_per_token_bound(spec))
+
+    def encode(self, text: str) -> list[int]:
+        """Releases the GIL while it tokenizes (the batch entry point of `tokenizers` does;
+        the single-text `encode` does not), so a large prompt can be tokenized on a worker
+        thread while the front's event loop runs on."""
+        ids: list[int] = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def post_processor_affixes(self) -> tuple[list[int], list[int]] | None:
+        """(ids before, ids after) a text that the post-processor adds; None without one.
+        Found by encoding a probe with and without it (post-processors only add tokens)."""
+        if self._tokenizer.post_processor is None:
+            return None
+        probe = next((p for p in ("a", "0", ".", " ") if self._tokenizer.encode(
+            p, add_special_tokens=False).ids), "")
+        plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
+        full = self._tokenizer.encode(probe, add_special_tokens=True).ids
+        if not plain:
+            return full, []
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return full[:i], full[i + len(plain):]
+        raise ValueError("tokenizer.json: its post-processor changes a text's own tokens")
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=False)
+class Tokenizer:
+    """Encode text, decode ids, render chat messages. Immutable after construction.
+
+    `prefix_ids` / `suffix_ids`: the special tokens `encode` puts around a prompt (module
+    docstring). `max_bytes_per_token` / `bound_reason`: the backend's byte bound per token.
+    """
+
+    def __init__(self, backend: TokenizerBackend, config: Mapping[str, Any],
+                 prefix_ids: Sequence[int], suffix_ids: Sequence[int],
+                 eos_token_ids: tuple[int, ...], chat_templates: ChatTemplates) -> None:
+        self._backend = backend
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if (text := _token_text(config.get(name))) is not None}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.prefix_ids = tuple(prefix_ids)
+        self.suffix_ids = tuple(suffix_ids)
+        self.eos_token_ids = eos_token_ids
+        self.chat_templates = chat_templates
+        self.vocab_size = backend.vocab_size
+        self.max_bytes_per_token = backend.max_bytes_per_token
+        self.bound_reason = backend.bound_reason
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of the model in `path` (+ `tokenizer_config.json`, the chat
+        templates, `generation_config.json` for EOS ids).
+
+        Raises ValueError naming what is missing when there is neither tokenizer file, and
+        naming the file for one that does not parse; OSError for one that cannot be read.
+        """
+        root = Path(path)
+        config = _read_json(root / "tokenizer_config.json")
+        backend: TokenizerBackend
+        affixes = None
+        if (root / HF_TOKENIZER_FILE).is_file():
+            hf_backend = HFBackend.from_file(root / HF_TOKENIZER_FILE)
+            backend, affixes = hf_backend, hf_backend.post_processor_affixes()
+        elif (root / TIKTOKEN_FILE).is_file():
+            backend = TiktokenBackend.from_dir(root, config)
+        else:
+            raise ValueError(f"{root}: no tokenizer: neither {HF_TOKENIZER_FILE} nor "
+                             f"{TIKTOKEN_FILE} in the model directory")
+        prefix, suffix = affixes if affixes is not None else _flag_affixes(backend, config)
+        eos_ids = _eos_ids(root, backend, _token_text(config.get("eos_token")))
+        return cls(backend, config, prefix, suffix, eos_ids, ChatTemplates.from_dir(root, config))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, the tokenizer's prompt rule
+        (`prefix_ids`, unless the text's tokens already start with them; `suffix_ids`).
+        Releases the GIL while tokenizing (both backends do)."""
+        ids = self._backend.encode(text)
+        if not add_special_tokens or not (self.prefix_ids or self.suffix_ids):
+            return ids
+        prefix = self.prefix_ids if tuple(ids[:len(self.prefix_ids)]) != self.prefix_ids else ()
+        return [*prefix, *ids, *self.suffix_ids]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message],
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]), as
+        transformers' `apply_chat_template(..., tokenize=False)` renders it: `tools` (JSON
+        schemas) pick the "tool_use" template when the model names one; `template_kwargs`
+        (e.g. `enable_thinking`) are template variables and override the special tokens.
+        Encode the result with `add_special_tokens=False`. Raises TemplateError."""
+        template = self.chat_templates.select(has_tools=tools is not None)
+        variables = {**self.special_tokens, **template_kwargs, "documents": None,
+                     "tools": None if tools is None else list(tools),
+                     "add_generation_prompt": add_generation_prompt}
+        return template.render(messages, variables)
+
+
+def _flag_affixes(backend: TokenizerBackend, config: Mapping[str, Any]
+                  ) -> tuple[list[int], list[int]]:
+    """BOS / EOS around a prompt from tokenizer_config.json's add_bos_token / add_eos_token."""
+    def flagged(flag: str, name: str) -> list[int]:
+        token = _token_text(config.get(name))
+        token_id = backend.token_to_id(token) if token is not None else None
+        return [token_id] if config.get(flag) is True and token_id is not None else []
+    return flagged("add_bos_token", "bos_token"), flagged("add_eos_token", "eos_token")
 
 
 def _token_text(value: Any) -> str | None:
@@ -41,111 +199,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return str(value.get("content")) if value.get("content") is not None else None
     return value if isinstance(value, str) else None
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-class Tokenizer:
-    """Encode text, decode ids, render chat messages. Immutable after construction.
-
-    `max_bytes_per_token`: the most UTF-8 bytes of prompt text one token can stand for
-    (`token_bound`), or None when this tokenizer has no such bound; `bound_reason` says how
-    it was found or why there is none.
-    """
-
-    def __init__(
-        self, backend: HFTokenizer, config: Mapping[str, Any], eos_token_ids: tuple[int, ...],
-        max_bytes_per_token: int | None = None, bound_reason: str = "not analysed",
-    ) -> None:
-        self._backend = backend
-        self._config = dict(config)
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.add_bos_token = bool(config.get("add_bos_token", False))
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template_source: str | None = template if isinstance(template, str) else None
-        self.max_bytes_per_token = max_bytes_per_token
-        self.bound_reason = bound_reason
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`).
-
-        Raises OSError for a missing or unreadable file and ValueError for one that does
-        not parse, naming the file.
-        """
-        root = Path(path)
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model directory")
-        text = _read_text(tok_file)
-        spec = _parse_json(text, tok_file)
-        try:
-            backend = HFTokenizer.from_str(text)
-        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
-            raise ValueError(f"{tok_file}: not a tokenizer the `tokenizers` library can "
-                             f"load: {exc}") from exc
-        # The front counts a prompt's real tokens: a tokenizer.json that truncates or pads
-        # would hide a prompt that is too long, or add tokens nobody sent.
-        backend.no_truncation()
-        backend.no_padding()
-        config = _read_json(root / "tokenizer_config.json")
-        eos_ids = _eos_ids(root, backend, _token_text(config.get("eos_token")))
-        bound, reason = bytes_per_token_bound(spec)
-        return cls(backend, config, eos_ids, bound, reason)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (with the BOS token first when the model asks for it).
-
-        Releases the GIL while it tokenizes (the batch entry point of `tokenizers` does;
-        the single-text `encode` does not), so a large prompt can be tokenized on a worker
-        thread while the front's event loop runs on.
-        """
-        encoding = self._backend.encode_batch_fast([text], add_special_tokens=False)[0]
-        ids: list[int] = encoding.ids
-        if self.add_bos_token and self.bos_token is not None:
-            bos = self._backend.token_to_id(self.bos_token)
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._backend.id_to_token(token_id)
-
-    @cached_property
-    def _chat_template(self) -> jinja2.Template:
-        if self.chat_template_source is None:
-            raise TemplateError("this model's tokenizer_config.json has no chat_template")
-        return compile_chat_template(self.chat_template_source)
-
-    def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
-    ) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or "role" not in message:
-                raise TemplateError(f"messages[{i}] must be a mapping with a 'role'")
-        return str(self._chat_template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        ))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -173,7 +226,7 @@ def _parse_json(text: str, path: Path) -> dict[str, Any]:
     return data
 
 
-def _eos_ids(root: Path, backend: HFTokenizer, eos_token: str | None) -> tuple[int, ...]:
+def _eos_ids(root: Path, backend: TokenizerBackend, eos_token: str | None) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json, else the tokenizer's eos_token."""
     for name in ("generation_config.json", "config.json"):
         value = _read_json(root / name).get("eos_token_id")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
 
@@ -36,7 +36,8 @@ class Engine:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **options)
         # Token-id prompts work without a tokenizer (tiny test models have none).
-        has_tokenizer = (self.config.model_path / "tokenizer.json").is_file()
+        has_tokenizer = any((self.config.model_path / name).is_file()
+                            for name in TOKENIZER_FILES)
         self.tokenizer = Tokenizer.from_dir(self.config.model_path) if has_tokenizer else None
         self.core = EngineCore(self.config)
         self._next_id = 0
@@ -44,8 +45,9 @@ class Engine:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.config.model_path} has no tokenizer.json: "
-                                 "pass prompts as token-id lists")
+                raise ValueError(f"{self.config.model_path} has no tokenizer "
+                                 f"({' or '.join(TOKENIZER_FILES)}): pass prompts as "
+                                 "token-id lists")
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
             raise TypeError("a prompt is a string or a list of token ids")

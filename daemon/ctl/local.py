@@ -23,7 +23,8 @@ class LocalGeneration:
         self.engine = Engine(model=model)
         tokenizer = self.engine.tokenizer
         prompt = tokenizer.apply_chat_template(messages) if messages else text
-        self.prompt_token_ids = tokenizer.encode(prompt)
+        # A rendered chat holds its own special tokens (the daemon encodes it the same way).
+        self.prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=not messages)
         self.sampling = sampling
         self.detokenizer = IncrementalDetokenizer(tokenizer, sampling.stop)
         self.result: GenerateResult | None = None

@@ -12,7 +12,7 @@ import pytest
 
 from specd.daemon.config import DaemonConfig
 from specd.daemon.memory import TRIM_AVAILABLE, resident_bytes
-from specd.daemon.prompts import INLINE_TOKENIZE_CHARS, PromptEncoder, RequestError
+from specd.daemon.prompts import INLINE_TOKENIZE_CHARS, PromptEncoder, PromptText, RequestError
 from specd.ipc import messages as m
 from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
@@ -62,7 +62,7 @@ def test_short_prompts_are_tokenized_at_once_and_long_ones_left_for_the_worker(
     assert encoder.prepare(m.Generate(id=1, prompt=short), MAX_MODEL_LEN) == \
         tokenizer.encode(short)
     long = text_of(INLINE_TOKENIZE_CHARS)
-    assert encoder.prepare(m.Generate(id=1, prompt=long), MAX_MODEL_LEN) == long
+    assert encoder.prepare(m.Generate(id=1, prompt=long), MAX_MODEL_LEN) == PromptText(long, True)
     ids = [5, 6, 7]
     assert encoder.prepare(m.Generate(id=1, prompt_token_ids=ids), MAX_MODEL_LEN) == ids
 
