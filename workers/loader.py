@@ -7,8 +7,16 @@ parameter by the loader of that parameter's kind:
 
 * plain: the tensor is the parameter (shape checked);
 * stacked: q/k/v or gate/up shards copied into their rows of a fused parameter;
+* sharded by its module: a module with `shard_view(leaf, shard)`, `num_shards(leaf)` and
+  `shard_name(leaf, shard)` (the stacked routed experts of workers/moe.py) says which slice
+  of its parameter each checkpoint tensor fills (shape checked here);
 * module-defined: a linear module with a `load_weight(name, tensor, shard, shard_sizes)`
   method (the INT4 layers) loads its own parameters.
+
+Tensors outside the served model are skipped: those not under `ModelConfig.weight_prefix`
+(Kimi-K2.5's vision part, logged once) and the multi-token-prediction layers after the last
+decoder layer. A model with `process_weights_after_loading` (MLA's W_UK/W_UV split) gets
+that call once every parameter is loaded.
 
 Every parameter (every shard of a fused one) must be loaded exactly once; a missing tensor, a
 wrong shape, an unknown tensor or a missing/truncated file raises ValueError naming it, and
@@ -18,6 +26,8 @@ the half-built model is dropped with the exception.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +38,16 @@ from torch import nn
 
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.model_config import ModelConfig
-from specd.workers.models import build_meta_model
-from specd.workers.models.decoder import STACKED_PARAMS, DecoderForCausalLM
+from specd.workers.models import STACKED_PARAMS, CausalLM, build_meta_model
+from specd.workers.moe import expert_target
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors that carry nothing the model needs (recomputed rotary frequencies).
 HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+log = logging.getLogger("specd.loader")
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class Target:
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               make_linear: LinearFactory = dense_linear) -> DecoderForCausalLM:
+               make_linear: LinearFactory = dense_linear) -> CausalLM:
     """The model of `cfg.model_dir` with every weight loaded, in eval mode without grads."""
     model = build_meta_model(cfg, device, make_linear)
     model.to(dtype)  # floating-point parameters take the dtype; packed integers keep theirs
@@ -55,9 +68,19 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     model.eval()
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int | None]] = set()
+    unserved: list[str] = []
     for path, names in checkpoint_files(cfg.model_dir):
-        _load_file(model, params, path, names, loaded)
+        _load_file(model, params, path, names, loaded, unserved)
     _check_complete(model, params, loaded)
+    if unserved:
+        log.info("serving the language model only; %d tensors outside %r (e.g. %r) are not "
+                 "served", len(unserved), cfg.weight_prefix, unserved[0], extra={
+                     "event": "unserved_tensors_skipped", "count": len(unserved),
+                     "weight_prefix": cfg.weight_prefix})
+    finish = getattr(model, "process_weights_after_loading", None)
+    if finish is not None:
+        with torch.no_grad():
+            finish()
     return model
 
 
@@ -81,8 +104,9 @@ def checkpoint_files(model_dir: Path) -> Iterator[tuple[Path, list[str] | None]]
     yield single, None
 
 
-def _load_file(model: DecoderForCausalLM, params: dict[str, nn.Parameter], path: Path,
-               names: list[str] | None, loaded: set[tuple[str, int | None]]) -> None:
+def _load_file(model: CausalLM, params: dict[str, nn.Parameter], path: Path,
+               names: list[str] | None, loaded: set[tuple[str, int | None]],
+               unserved: list[str]) -> None:
     if not path.is_file():
         raise ValueError(f"{path}: checkpoint file not found")
     try:
@@ -92,6 +116,9 @@ def _load_file(model: DecoderForCausalLM, params: dict[str, nn.Parameter], path:
             if missing:
                 raise ValueError(f"{path}: the index lists {missing[0]!r} but the file lacks it")
             for name in sorted(present):
+                if _is_unserved(model.config, name):
+                    unserved.append(name)
+                    continue
                 target = _target(model, params, name)
                 if target is not None:
                     _load_tensor(model, params, target, name, f.get_tensor(name), path)
@@ -100,10 +127,23 @@ def _load_file(model: DecoderForCausalLM, params: dict[str, nn.Parameter], path:
         raise ValueError(f"{path}: unreadable safetensors file, truncated or corrupt ({e})") from e
 
 
-def _target(model: DecoderForCausalLM, params: dict[str, nn.Parameter],
+def _is_unserved(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of a part of the checkpoint specd does not serve (see module docstring)."""
+    return bool(cfg.weight_prefix) and not name.startswith(cfg.weight_prefix)
+
+
+def _target(model: CausalLM, params: dict[str, nn.Parameter],
             name: str) -> Target | None:
     """Where checkpoint tensor `name` goes; None for a known-harmless extra; raises otherwise."""
-    for fused, part, shard in STACKED_PARAMS:
+    cfg = model.config
+    name = name.removeprefix(cfg.weight_prefix)
+    layer = LAYER_INDEX.match(name)
+    if layer is not None and 0 <= int(layer[1]) - cfg.num_layers < cfg.num_mtp_layers:
+        return None  # a multi-token-prediction layer
+    expert = expert_target(name)
+    if expert is not None:
+        return Target(*expert)
+    for fused, part, shard in STACKED_PARAMS[type(model)]:
         if f".{part}." in name:
             return Target(name.replace(f".{part}.", f".{fused}."), shard)
     if name in params:
@@ -112,35 +152,51 @@ def _target(model: DecoderForCausalLM, params: dict[str, nn.Parameter],
         return None
     if name.startswith("lm_head.") and model.config.tie_word_embeddings:
         return None  # some tied checkpoints store the shared matrix twice
-    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                     f"{model.config.architecture}")
+    raise _no_parameter(model, name)
 
 
-def _load_tensor(model: DecoderForCausalLM, params: dict[str, nn.Parameter], target: Target,
+def _no_parameter(model: CausalLM, name: str) -> ValueError:
+    return ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                      f"{model.config.architecture}")
+
+
+def _load_tensor(model: CausalLM, params: dict[str, nn.Parameter], target: Target,
                  name: str, tensor: torch.Tensor, path: Path) -> None:
     module_name, _, param_leaf = target.param_name.rpartition(".")
-    module = model.get_submodule(module_name)
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError as e:  # e.g. an expert tensor of a dense layer
+        raise _no_parameter(model, name) from e
+    shard_view = getattr(module, "shard_view", None)
+    if shard_view is not None and target.shard is not None:
+        if target.param_name not in params:
+            raise _no_parameter(model, name)
+        _copy_checked(shard_view(param_leaf, target.shard), tensor, name, path)
+        return
     shard_sizes = _shard_sizes(model, module_name) if target.shard is not None else None
     custom = getattr(module, "load_weight", None)
     if custom is not None:
         custom(param_leaf, tensor, target.shard, shard_sizes)
         return
     if target.param_name not in params:
-        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                         f"{model.config.architecture}")
+        raise _no_parameter(model, name)
     param = params[target.param_name]
     dest = param.data
     if target.shard is not None and shard_sizes is not None:
         # Output-major fused parameter: shard i owns rows [sum(sizes[:i]), + sizes[i]).
         offset = sum(shard_sizes[: target.shard])
         dest = dest.narrow(0, offset, shard_sizes[target.shard])
+    _copy_checked(dest, tensor, name, path)
+
+
+def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> None:
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ValueError(f"{path}: tensor {name!r} has shape {list(tensor.shape)}, "
                          f"expected {list(dest.shape)}")
     dest.copy_(tensor)
 
 
-def _shard_sizes(model: DecoderForCausalLM, fused_module_name: str) -> tuple[int, ...]:
+def _shard_sizes(model: CausalLM, fused_module_name: str) -> tuple[int, ...]:
     """The fused layer's owner (attention or MLP) declares its output shard sizes."""
     owner = model.get_submodule(fused_module_name.rpartition(".")[0])
     sizes: tuple[int, ...] = owner.shard_sizes
@@ -155,21 +211,28 @@ def _mark_loaded(loaded: set[tuple[str, int | None]], target: Target, name: str,
     loaded.add(key)
 
 
-def _check_complete(model: DecoderForCausalLM, params: dict[str, nn.Parameter],
+def _check_complete(model: CausalLM, params: dict[str, nn.Parameter],
                     loaded: set[tuple[str, int | None]]) -> None:
     """Every parameter, and every shard of every fused one, was loaded."""
-    stacked = {fused: [(part, shard) for f, part, shard in STACKED_PARAMS if f == fused]
-               for fused, _, _ in STACKED_PARAMS}
+    stacked_params = STACKED_PARAMS[type(model)]
+    stacked = {fused: [(part, shard) for f, part, shard in stacked_params if f == fused]
+               for fused, _, _ in stacked_params}
     missing: list[str] = []
     for param_name in params:
         module_name, _, leaf = param_name.rpartition(".")
         fused = module_name.rpartition(".")[2]
-        if fused in stacked:
+        module = model.get_submodule(module_name)
+        if hasattr(module, "shard_view"):
+            missing += [model.config.weight_prefix + module.shard_name(leaf, shard)
+                        for shard in range(module.num_shards(leaf))
+                        if (param_name, shard) not in loaded]
+        elif fused in stacked:
             for part, shard in stacked[fused]:
                 if (param_name, shard) not in loaded:
-                    missing.append(param_name.replace(f".{fused}.", f".{part}."))
+                    missing.append(model.config.weight_prefix
+                                   + param_name.replace(f".{fused}.", f".{part}."))
         elif (param_name, None) not in loaded:
-            missing.append(param_name)
+            missing.append(model.config.weight_prefix + param_name)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"{model.config.model_dir}: checkpoint lacks tensor "

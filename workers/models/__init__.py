@@ -1,24 +1,39 @@
 """Model registry: architecture name (config.json's `architectures[0]`) -> model class.
 
-Every supported architecture is served by the one Llama-family decoder; a new family adds a
-module here and a line to `MODEL_CLASSES`.
+The Llama family (Llama, Mistral, Qwen2, Qwen3) is served by the one dense decoder;
+DeepSeek-V3 / Kimi-K2 by the MLA + MoE model. Both classes share one interface (`forward`,
+`embed_tokens`, `compute_logits`, `config`, `model.layers`); `CausalLM` names either. A new
+family adds a module here, a line to `MODEL_CLASSES` and its `STACKED_PARAMS`.
 """
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 
+from specd.workers.deepseek_config import MLA_ARCHITECTURE
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specd.workers.models import decoder, deepseek_v3
 from specd.workers.models.decoder import DecoderForCausalLM
+from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
-    name: DecoderForCausalLM for name in SUPPORTED_ARCHITECTURES
+CausalLM: TypeAlias = DecoderForCausalLM | DeepseekV3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    name: DecoderForCausalLM for name in SUPPORTED_ARCHITECTURES if name != MLA_ARCHITECTURE
+} | {MLA_ARCHITECTURE: DeepseekV3ForCausalLM}
+
+# (fused module, checkpoint module, shard index) of each class: how checkpoint tensors stack.
+STACKED_PARAMS: dict[type[CausalLM], tuple[tuple[str, str, int], ...]] = {
+    DecoderForCausalLM: decoder.STACKED_PARAMS,
+    DeepseekV3ForCausalLM: deepseek_v3.STACKED_PARAMS,
 }
 
 
 def build_meta_model(cfg: ModelConfig, device: torch.device,
-                     make_linear: LinearFactory = dense_linear) -> DecoderForCausalLM:
+                     make_linear: LinearFactory = dense_linear) -> CausalLM:
     """The model with every parameter on the meta device (no memory), ready for the loader."""
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
