@@ -37,17 +37,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from specd.daemon.bench.client import BenchClient
 from specd.daemon.bench.progress import Progress
 from specd.ipc.errors import SpecdError
 from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
-
-if TYPE_CHECKING:  # bench imports this module
-    from specd.daemon.bench.sweep import BenchClient
 
 
 def round_order(modes: list[str], round_index: int) -> list[str]:
@@ -106,7 +104,7 @@ class Window:
 @dataclass(frozen=True)
 class PairedRun:
     """The windows of one concurrency; `errors` counts failed requests by code (a run
-    with any is not used to judge a target: its load was not the concurrency asked)."""
+    with any did not hold the load at the concurrency asked)."""
 
     concurrency: int
     windows: tuple[Window, ...]
@@ -241,7 +239,7 @@ def summarize_paired(run: PairedRun) -> dict[str, Any]:
     return result
 
 
-# ---- batch 1 against the transformers baseline ---------------------------------------------
+# ---- batch 1 against a baseline -------------------------------------------------------------
 
 BaselinePrompt = Callable[[int], tuple[int, float]]  # prompt index -> (tokens, seconds)
 

@@ -1,13 +1,11 @@
-"""The serving benchmark's results: per-point summaries, the targets, a terminal table,
-the JSON report and the PNG plots (matplotlib, imported only when plots are written).
+"""The serving benchmark's results: per-point summaries, the medians over rounds, a
+terminal table, the JSON report, the Markdown table and the PNG plots (matplotlib,
+imported only when plots are written).
 
 Every latency is in milliseconds and summarized as mean/p50/p90/p99 (linear interpolation
-between order statistics). Targets (issue 8): `auto` at least AUTO_TARGET times the better
-of `on` and `off` at every concurrency; specd at batch 1 (spec on) at least
-BASELINE_TARGET times transformers `generate()`. With several rounds per point, the
-targets and the plots read each mode's median over the rounds (`medians`).
+between order statistics). With several rounds per point, the medians and the plots read
+each mode's median over the rounds (`medians`).
 """
-
 from __future__ import annotations
 
 import json
@@ -20,8 +18,6 @@ from specd.daemon.bench.paired import counter_spec_share
 from specd.daemon.bench.sweep import EngineSample, PointRun
 from specd.ipc.messages import SPEC_MODES
 
-AUTO_TARGET = 0.97
-BASELINE_TARGET = 3.0
 PLOT_FILES = {"throughput": "throughput.png", "tpot": "tpot.png",
               "acceptance": "acceptance_hist.png"}
 
@@ -119,7 +115,7 @@ def summarize(point: PointRun) -> dict[str, Any]:
     }
 
 
-def _by_point(points: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+def by_point(points: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """(mode, concurrency) -> its rounds, in round order."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for p in sorted(points, key=lambda p: p.get("round", 1)):
@@ -131,7 +127,7 @@ def medians(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (mode, concurrency): the median over its rounds of output tokens/s, of
     TPOT p50 and of the speculation share, and each round's throughput (in round order)."""
     rows = []
-    for (mode, concurrency), group in _by_point(points).items():
+    for (mode, concurrency), group in by_point(points).items():
         rows.append({
             "mode": mode, "concurrency": concurrency, "rounds": len(group),
             "output_tokens_per_s": statistics.median(p["output_tokens_per_s"] for p in group),
@@ -142,78 +138,6 @@ def medians(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (SPEC_MODES.index(r["mode"]), r["concurrency"]))
 
 
-def check_targets(points: list[dict[str, Any]], baseline: dict[str, Any] | None,
-                  paired: list[dict[str, Any]] | None = None,
-                  batch1_pairs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """auto vs the better of on/off at each concurrency, and batch-1 spec-on vs the
-    transformers baseline.
-
-    Each target reads its paired measurement where one ran (paired.py: auto from the
-    modes' windows on one running load, `source` "paired windows", spread `by_cycle`; batch
-    1 from prompts run alternately through both, "pairs", spread `by_pair`), since those
-    compare figures taken seconds apart; else the medians over rounds ("rounds' medians").
-    The rounds' figures are kept either way (`*_rounds`, `by_round`: auto over the better
-    of on and off in the same round; spec on at batch 1 over the baseline round that ran
-    right after it). A target that cannot be judged (a mode missing, a paired run with
-    failed requests and no rounds) is left out (auto) or None (batch 1)."""
-    by_key = {key: statistics.median(p["output_tokens_per_s"] for p in group)
-              for key, group in _by_point(points).items()}
-    by_round = {(p["mode"], p["concurrency"], p.get("round", 1)): p["output_tokens_per_s"]
-                for p in points}
-    windows = {row["concurrency"]: row for row in paired or []
-               if row.get("auto_over_best") is not None and not row["errors"]}
-    auto_rows = []
-    for concurrency in sorted({p["concurrency"] for p in points} | set(windows)):
-        auto = by_key.get(("auto", concurrency))
-        others = [by_key[(mode, concurrency)] for mode in ("on", "off")
-                  if (mode, concurrency) in by_key]
-        from_rounds = auto / max(others) if auto is not None and len(others) == 2 else None
-        round_ratios = []
-        for r in sorted({k[2] for k in by_round if k[:2] == ("auto", concurrency)}):
-            same = [by_round.get((mode, concurrency, r)) for mode in ("on", "off")]
-            if all(x is not None for x in same):
-                round_ratios.append(by_round[("auto", concurrency, r)]
-                                    / max(x for x in same if x is not None))
-        row: dict[str, Any] = {"concurrency": concurrency, "auto_over_best_rounds": from_rounds,
-                               "by_round": round_ratios}
-        if concurrency in windows:
-            row |= {"auto_over_best": windows[concurrency]["auto_over_best"],
-                    "source": "paired windows",
-                    "by_cycle": windows[concurrency]["auto_over_best_by_cycle"]}
-        elif from_rounds is not None:
-            row |= {"auto_over_best": from_rounds, "source": "rounds' medians"}
-        else:
-            continue
-        row["met"] = row["auto_over_best"] >= AUTO_TARGET
-        auto_rows.append(row)
-    specd_b1 = by_key.get(("on", 1))
-    versus: dict[str, Any] = {"specd_mode": "on", "specd_tokens_per_s": specd_b1,
-                              "baseline_tokens_per_s": None, "ratio": None, "met": None,
-                              "ratio_rounds": None}
-    if baseline is not None and specd_b1 is not None:
-        # Round r of the baseline ran right after round r of batch 1 (see command.py).
-        on_rounds = [p["output_tokens_per_s"] for p in _by_point(points).get(("on", 1), [])]
-        base_rounds = baseline.get("tokens_per_s_by_round") or []
-        ratio = specd_b1 / baseline["tokens_per_s"]
-        versus |= {"baseline_tokens_per_s": baseline["tokens_per_s"], "ratio": ratio,
-                   "ratio_rounds": ratio, "source": "rounds' medians",
-                   "by_round": [a / b for a, b in zip(on_rounds, base_rounds, strict=False)]}
-    if batch1_pairs is not None:
-        versus |= {"specd_tokens_per_s": batch1_pairs["specd_tokens_per_s"],
-                   "baseline_tokens_per_s": batch1_pairs["baseline_tokens_per_s"],
-                   "ratio": batch1_pairs["ratio"], "source": "pairs",
-                   "by_pair": batch1_pairs["ratio_by_pair"]}
-    if versus["ratio"] is not None:
-        versus["met"] = versus["ratio"] >= BASELINE_TARGET
-    return {
-        "auto_target": AUTO_TARGET,
-        "auto_vs_best": auto_rows,
-        "auto_met": all(r["met"] for r in auto_rows) if auto_rows else None,
-        "baseline_target": BASELINE_TARGET,
-        "batch1_vs_transformers": versus,
-    }
-
-
 def _points_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The points mode by mode (off, on, auto), each by concurrency."""
     return sorted(report["points"], key=lambda p: (SPEC_MODES.index(p["mode"]), p["concurrency"],
@@ -222,23 +146,6 @@ def _points_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _several_rounds(report: dict[str, Any]) -> bool:
     return any(p.get("round", 1) > 1 for p in report["points"])
-
-
-def _by_round(row: dict[str, Any], rounds: bool, unit: str = "") -> str:
-    """The spread of a target row: "; by cycle 0.98, 1.02, ..." (paired windows), "; by
-    pair ..." (batch-1 pairs), "; rounds' medians 0.95, by round ..." (the rounds, when the
-    report has several); "" when there is none to show."""
-    parts = []
-    for key, name in (("by_cycle", "by cycle"), ("by_pair", "by pair")):
-        if row.get(key):
-            parts.append(f"{name} " + ", ".join(f"{x:.2f}{unit}" for x in row[key]))
-    ratios = row.get("by_round") or []
-    if rounds and ratios:
-        from_rounds = row.get("auto_over_best_rounds", row.get("ratio_rounds"))
-        if row.get("source") != "rounds' medians" and from_rounds is not None:
-            parts.append(f"rounds' medians {from_rounds:.2f}{unit}")
-        parts.append("by round " + ", ".join(f"{x:.2f}{unit}" for x in ratios))
-    return "".join(f"; {part}" for part in parts)
 
 
 def _paired_lines(report: dict[str, Any]) -> list[str]:
@@ -260,15 +167,16 @@ def _paired_lines(report: dict[str, Any]) -> list[str]:
                      + f" tok/s over {len(row['windows'])} windows{errors}")
     pairs = report.get("batch1_pairs")
     if pairs is not None:
+        name = (report.get("baseline") or {}).get("library", "baseline")
         lines.append(f"batch 1, {pairs['num_pairs']} prompts alternately: specd spec on "
-                     f"{pairs['specd_tokens_per_s']:.1f} tok/s, transformers "
+                     f"{pairs['specd_tokens_per_s']:.1f} tok/s, {name} "
                      f"{pairs['baseline_tokens_per_s']:.1f} tok/s ({pairs['ratio']:.2f}x)")
     return lines
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The terminal table: one row per point (and round), the medians over rounds when
-    there are several, then the targets."""
+    there are several, the paired figures, then the baseline."""
     rounds = _several_rounds(report)
     head = (f"{'mode':<5} {'conc':>4} " + (f"{'rnd':>3} " if rounds else "")
             + f"{'reqs':>4} {'tok/s':>8} {'req/s':>6} "
@@ -303,22 +211,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"mode {mode} skipped: {reason}")
     baseline = report.get("baseline")
     if baseline is not None:
-        lines.append(f"transformers generate() at batch 1: {baseline['tokens_per_s']:.1f} tok/s "
+        lines.append(f"{baseline['label']} at batch 1: {baseline['tokens_per_s']:.1f} tok/s "
                      f"({baseline['num_prompts']} prompts x {baseline['max_new_tokens']} tokens)")
-        lines.append(f"assisted generation with the EAGLE-3 head: "
-                     f"{baseline['assisted_generation']['verdict']}")
-    targets = report["targets"]
-    for row in targets["auto_vs_best"]:
-        lines.append(f"auto / best(on, off) at c={row['concurrency']}: "
-                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'NOT met'}, "
-                     f"target {targets['auto_target']}, {row['source']})"
-                     + _by_round(row, rounds))
-    versus = targets["batch1_vs_transformers"]
-    if versus["ratio"] is not None:
-        lines.append(f"specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
-                     f"({'met' if versus['met'] else 'NOT met'}, target "
-                     f"{targets['baseline_target']}x, {versus['source']})"
-                     + _by_round(versus, rounds, "x"))
     return "\n".join(lines)
 
 
@@ -382,7 +276,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The points and targets as a Markdown table (for docs/benchmarks.md)."""
+    """The points, medians, paired figures and baseline as Markdown (for docs/benchmarks.md)."""
     rounds = _several_rounds(report)
     lines = ["| mode | concurrency | " + ("round | " if rounds else "")
              + "output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 ms | "
@@ -412,18 +306,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         lines += [f"- {line}" for line in paired]
     baseline = report.get("baseline")
     if baseline is not None:
-        lines += ["", f"transformers `generate()` at batch 1: {baseline['tokens_per_s']:.1f} "
+        lines += ["", f"{baseline['label']} at batch 1: {baseline['tokens_per_s']:.1f} "
                       f"tok/s ({baseline['num_prompts']} prompts x {baseline['max_new_tokens']} "
                       "tokens, greedy)."]
-    targets = report["targets"]
-    for row in targets["auto_vs_best"]:
-        lines.append(f"- auto / best(on, off) at concurrency {row['concurrency']}: "
-                     f"{row['auto_over_best']:.3f} ({'met' if row['met'] else 'not met'}, "
-                     f"{row['source']})" + _by_round(row, rounds))
-    versus = targets["batch1_vs_transformers"]
-    if versus["ratio"] is not None:
-        lines.append(f"- specd spec on at batch 1 / transformers: {versus['ratio']:.2f}x "
-                     f"({'met' if versus['met'] else 'not met'}; target "
-                     f"{targets['baseline_target']}x, {versus['source']})"
-                     + _by_round(versus, rounds, "x"))
     return "\n".join(lines) + "\n"

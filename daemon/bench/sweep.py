@@ -10,15 +10,14 @@ speculation one delta may carry several tokens), acceptance length and the share
 engine steps that speculated. Greedy, `ignore_eos`, a fixed `max_tokens`: every request
 produces the same number of tokens in every mode, so the modes are compared on equal work.
 
-Reporting (table, JSON, plots) lives in `report`, the transformers baseline in
-`baseline`; `specctl bench` and `tools/bench_serving.py` are the command lines.
+The timed requests are `client.BenchClient`'s; reporting (table, JSON, plots) lives in
+`report`; `specctl bench` (command.py) and `tools/bench_serving.py` are the command lines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import random
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specd.daemon.bench.client import BenchClient, RequestRecord
 from specd.daemon.bench.paired import (
     BaselinePrompt,
     Batch1Pairs,
@@ -37,10 +37,7 @@ from specd.daemon.bench.paired import (
     run_paired,
 )
 from specd.daemon.bench.progress import Progress
-from specd.ipc import messages as m
-from specd.ipc.async_client import AsyncClient
-from specd.ipc.errors import ProtocolError, SpecdError
-from specd.ipc.generation import make_generate
+from specd.ipc.errors import SpecdError
 from specd.ipc.messages import SPEC_MODES
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR
@@ -72,11 +69,9 @@ class BenchConfig:
         and their order rotated from round to round (a machine that drifts by tens of
         percent within minutes then biases no mode).
     paired: after the rounds of each concurrency, the modes' paired windows on one running
-        load (paired.py; None: not run). The auto target reads them where they ran,
-        else the rounds' medians.
+        load (paired.py; None: not run).
     batch1_pairs: with a baseline, this many prompts run alternately through specd (spec
-        on, batch 1) and the baseline (paired.run_batch1_pairs; 0: not run). The
-        batch-1 target reads them where they ran, else the medians of the rounds.
+        on, batch 1) and the baseline (paired.run_batch1_pairs; 0: not run).
     """
 
     modes: tuple[str, ...] = SPEC_MODES
@@ -116,81 +111,6 @@ class BenchConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One finished request, timed from the moment it was sent (seconds).
-
-    num_received: token ids that arrived in Delta/Final frames; num_output_tokens: the
-    Final's own count (the two must agree). acceptance_length: tokens per target step
-    (1.0 for a request that never speculated)."""
-
-    ttft_s: float
-    latency_s: float
-    itl_s: tuple[float, ...]
-    num_received: int
-    num_output_tokens: int
-    num_prompt_tokens: int
-    num_drafted: int
-    num_accepted: int
-    acceptance_length: float
-
-    @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
-        return (self.latency_s - self.ttft_s) / max(1, self.num_output_tokens - 1)
-
-
-class BenchClient(AsyncClient):
-    """The asyncio client plus what a benchmark needs: a stream that keeps the Final frame
-    and the arrival time of every delta, and the speculation switch."""
-
-    async def timed_request(self, prompt: str, sampling: SamplingParams,
-                            on_tokens: Callable[[float, int], None] | None = None
-                            ) -> RequestRecord:
-        """Stream one request to its end; `on_tokens(time, count)` is called for every
-        frame that carries tokens, as it arrives."""
-        request = make_generate(next(self._ids), prompt, None, None, sampling, True, None, {})
-        started = time.perf_counter()
-        inbox = await self._send(request)
-        arrivals: list[tuple[float, int]] = []  # (time, token ids in the frame)
-        try:
-            while True:
-                reply = await self._next(inbox)
-                now = time.perf_counter()
-                if isinstance(reply, m.Delta | m.Final) and reply.token_ids:
-                    arrivals.append((now, len(reply.token_ids)))
-                    if on_tokens is not None:
-                        on_tokens(now, len(reply.token_ids))
-                if isinstance(reply, m.Final):
-                    return _record(started, now, arrivals, reply)
-        finally:
-            self._inboxes.pop(request.id, None)
-
-    async def set_spec(self, mode: str, threshold: int | None = None) -> str:
-        reply = await self._query(m.SetSpec(next(self._ids), mode, threshold))
-        if not isinstance(reply, m.Ack):
-            raise ProtocolError(f"expected an ack, got {type(reply).__name__}")
-        return reply.message
-
-
-def _record(started: float, ended: float, arrivals: list[tuple[float, int]],
-            final: m.Final) -> RequestRecord:
-    if not arrivals:
-        raise ProtocolError(f"request {final.id} ended ({final.finish_reason}) without tokens")
-    times = [t for t, _ in arrivals]
-    return RequestRecord(
-        ttft_s=times[0] - started,
-        latency_s=ended - started,
-        itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
-        num_received=sum(n for _, n in arrivals),
-        num_output_tokens=final.num_output_tokens,
-        num_prompt_tokens=final.num_prompt_tokens,
-        num_drafted=final.num_drafted,
-        num_accepted=final.num_accepted,
-        acceptance_length=final.acceptance_length if final.num_drafted else 1.0,
-    )
 
 
 @dataclass(frozen=True)
@@ -331,8 +251,8 @@ async def run_sweep(socket_path: Path | None, config: BenchConfig,
     """The whole sweep against the daemon at `socket_path`; the daemon's speculation mode
     is restored afterwards. A mode the daemon cannot serve (no draft model) is skipped with
     its reason rather than measured as something else. `after_round(daemon, concurrency,
-    round)` runs after each round of each concurrency, while the daemon is idle (the
-    transformers baseline interleaves its rounds with batch 1's there).
+    round)` runs after each round of each concurrency, while the daemon is idle (a
+    baseline interleaves its rounds with batch 1's there).
     `baseline_prompt(daemon)` gives the function that runs the baseline on one prompt,
     for `config.batch1_pairs` (run after batch 1's rounds, when `on` is among the modes)."""
     async with BenchClient(socket_path, timeout=config.timeout_s) as client:

@@ -47,8 +47,9 @@ from typing import Any
 import click
 import msgspec
 
+from specd.daemon.bench.client import BenchClient
 from specd.daemon.bench.paired import request_lengths
-from specd.daemon.bench.sweep import BenchClient, load_prompts
+from specd.daemon.bench.sweep import load_prompts
 from specd.daemon.ctl.common import Settings, int_list, run_client_call
 from specd.ipc.errors import SpecdError
 from specd.ipc.sampling import SamplingParams

@@ -1,9 +1,10 @@
-"""The serving benchmark (`specctl bench`) for a few seconds against the real daemon
-(fixture model unless $SPECD_TEST_MODEL): every field of its JSON present, the figures
-positive and consistent with each other (tokens counted by the daemon = tokens received by
-the client = requests x max_tokens), the paired windows and batch-1 pairs the targets read,
-the transformers baseline in the same report, and the PNG plots valid images that read
-back.
+"""The serving benchmark for a few seconds against the real daemon (fixture model unless
+$SPECD_TEST_MODEL), through `tools/bench_serving.py` (`specctl bench` plus the transformers
+baseline and the issue's targets) and `specctl bench` itself: every field of its JSON
+present, the figures positive and consistent with each other (tokens counted by the daemon
+= tokens received by the client = requests x max_tokens), the paired windows and batch-1
+pairs the targets read, the transformers baseline in the same report, and the PNG plots
+valid images that read back.
 
 Only what the code decides is asserted: counts, orders and the report's arithmetic. What
 a wall-clock window of a real daemon happens to hold (how many tokens, which steps) is not:
@@ -13,6 +14,7 @@ against a stand-in client whose counts decide them."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ from click.testing import CliRunner
 from daemon_harness import Daemon
 
 from specd.daemon.ctl.cli import cli as specctl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_serving  # noqa: E402
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 3
@@ -40,7 +45,7 @@ POINT_KEYS = {"mode", "concurrency", "request_rate", "round", "num_requests", "n
               "num_accepted", "spec_share", "spec_share_source", "mean_batch", "max_kv_use"}
 BASELINE_KEYS = {"library", "model", "batch_size", "num_prompts", "max_new_tokens",
                  "num_output_tokens", "wall_s", "tokens_per_s", "torch_threads", "dtype",
-                 "assisted_generation", "tokens_per_s_by_round"}
+                 "assisted_generation", "tokens_per_s_by_round", "label"}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +55,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d.stop()
 
 
-def _bench(daemon: Daemon, out_dir: Path, *options: str) -> tuple[dict[str, Any], str]:
-    result = CliRunner().invoke(specctl, [
-        "--socket", str(daemon.socket_path), "bench", "--max-tokens", str(MAX_TOKENS),
-        "--num-requests", str(NUM_REQUESTS), "--out-dir", str(out_dir), *options])
+def _bench(daemon: Daemon, out_dir: Path, *options: str, tool: bool = True
+           ) -> tuple[dict[str, Any], str]:
+    """A run of tools/bench_serving.py (`tool`: with the baseline and targets), else of
+    `specctl bench`."""
+    command = ([] if tool else ["bench"]) + [
+        "--max-tokens", str(MAX_TOKENS), "--num-requests", str(NUM_REQUESTS),
+        "--out-dir", str(out_dir), *options]
+    result = CliRunner().invoke(bench_serving.main if tool else specctl,
+                                ["--socket", str(daemon.socket_path), *command])
     assert result.exit_code == 0, result.output + repr(result.exception)
     return json.loads((out_dir / "bench_serving.json").read_text()), result.output
 
@@ -197,13 +207,14 @@ def test_plots_are_png_images_that_read_back(sweep: tuple[dict[str, Any], str]) 
 
 def test_poisson_arrivals(daemon: Daemon, tmp_path: Path) -> None:
     report, _ = _bench(daemon, tmp_path, "--modes", "off", "--concurrency", "2",
-                       "--request-rate", "50", "--no-baseline", "--no-plots",
-                       "--paired-cycles", "0")
+                       "--request-rate", "50", "--no-plots", "--paired-cycles", "0",
+                       tool=False)
     (point,) = report["points"]
     assert point["request_rate"] == 50 and point["concurrency"] == 2
     assert point["num_output_tokens"] == point["num_received_tokens"] \
         == NUM_REQUESTS * MAX_TOKENS
     assert report["baseline"] is None and report["plots"] == {}
+    assert set(report) == REPORT_KEYS - {"targets"}  # specd's own report judges nothing
 
 
 def test_rounds_interleave_the_modes_and_targets_read_the_medians(

@@ -5,12 +5,13 @@ stand-in client."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from specd.daemon.bench.report import check_targets, medians, percentiles
+from specd.daemon.bench.report import medians, percentiles
 from specd.daemon.bench.sweep import BenchConfig, round_order
 from specd.daemon.ctl.tune_spec import (
     LENGTH_SPREAD,
@@ -22,6 +23,9 @@ from specd.daemon.ctl.tune_spec import (
     update_env_args,
     update_env_file,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from bench_targets import check_targets  # noqa: E402
 
 
 class CountingClient:

@@ -10,7 +10,9 @@ target's hidden states from three layers each step, which is what an EAGLE-3 hea
 so the fixture's EAGLE-3 head cannot serve as a transformers assistant; the baseline is
 plain `generate()` and the report says so.
 
-Imports torch and transformers: tools-only, never imported by the daemon.
+Imports torch and transformers: tools-only, never imported by specd. `tools/bench_serving.py`
+hands it to the serving benchmark (`specd.daemon.bench.command.run_bench`), whose
+`Baseline` protocol it implements.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Baseline:
     Greedy `generate()` of exactly `max_new_tokens` tokens per prompt, one prompt at a time
     (after one untimed warm-up), in `dtype` (the daemon's). A round runs the first
     `round_prompts` prompts (default: all); `run_prompt` runs any one of them."""
+
+    name = "transformers"
 
     def __init__(self, model_dir: Path, prompts: list[str], max_new_tokens: int,
                  num_threads: int | None = None, dtype: str = "float32",
@@ -104,7 +108,8 @@ class Baseline:
         if not self.rounds:
             raise RuntimeError("the baseline has not run a round")
         by_round = [n / wall for n, wall in self.rounds]
-        return {"library": "transformers", "model": str(self.model_dir), "batch_size": 1,
+        return {"library": self.name, "label": "transformers generate()",
+                "model": str(self.model_dir), "batch_size": 1,
                 "num_prompts": self.round_prompts, "max_new_tokens": self.max_new_tokens,
                 "num_output_tokens": self.rounds[-1][0],
                 "wall_s": statistics.median(wall for _, wall in self.rounds),
