@@ -7,8 +7,14 @@ Memory layout (one quantized linear with weight W [N = out, K = in]):
   significant nibble first). Viewed as uint8 [N, K/2] on a little-endian host, byte b holds
   k = 2b in its low nibble and k = 2b + 1 in its high nibble.
 * `weight_scale` bf16 (or fp16/fp32) [N, K/group_size]: one scale per group of `group_size`
-  consecutive K positions; no zero point. Group sizes 32, 64, 128.
-* W[n, k] = q[n, k] * scale[n, k // group_size].
+  consecutive K positions (strategy "group"; group sizes 32, 64, 128), or [N, 1], one scale
+  per output row (strategy "channel", `group_size=None`: one group spanning K).
+* `weight_zero_point` int32 [ceil(N/8), K/group_size] (or [ceil(N/8), 1]), asymmetric weights
+  only: zero points z in [-8, 7] stored as z + 8 like the weights, but packed along **N**
+  (compressed-tensors' `pack_to_int32(zero_point, 4, packed_dim=0)`): the zero point of row
+  n = 8j + i, group g is nibble i of word [j, g].
+* W[n, k] = (q[n, k] - z[n, g]) * scale[n, g] with g = k // group_size, and z = 0 when there
+  is no zero point (symmetric). Stored nibbles give q - z = u - u_z, u_z = 8 when symmetric.
 
 Semantics (what the kernels and `int4_gemm_ref` compute): the dequantized weight is computed in
 float32 (exact: a 4-bit integer times a 16-bit float fits in fp32) and rounded once to the
@@ -26,12 +32,14 @@ Two kernels, chosen by `choose_config` from M and the shape, never by the caller
   dequantizing each weight tile in registers.
 
 Both read each packed word once per nibble position (eight loads of the same word hit L1);
-when BLOCK_K divides group_size one scale per output column covers a K block, otherwise each K
-row reads its group's scale. K is masked to its length, so any BLOCK_K works. The kernels
-take any strides; they read fastest when `weight_packed` and `weight_scale` are stored
-N-contiguous (`column_major`: the same [N, X] values, stride (1, N)), because a warp then reads
-consecutive output columns of one packed row, as GPTQ/AWQ-layout kernels do. `Int4Linear`
-keeps its tensors that way; the checkpoint's K-contiguous layout works too.
+when BLOCK_K divides group_size one scale (and zero point) per output column covers a K block,
+otherwise each K row reads its group's. Channel-wise scales run as one group of
+next_power_of_2(K) >= K columns, so every K block reads scale column 0. K is masked to its
+length, so any BLOCK_K works. The kernels take any strides; they read fastest when
+`weight_packed` and `weight_scale` are stored N-contiguous (`column_major`: the same [N, X]
+values, stride (1, N)), because a warp then reads consecutive output columns of one packed row,
+as GPTQ/AWQ-layout kernels do. `Int4Linear` keeps its tensors that way; the checkpoint's
+K-contiguous layout works too.
 """
 
 from __future__ import annotations
@@ -64,24 +72,39 @@ def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return (values - 8).to(torch.int8)
 
 
+def unpack_zero_point(weight_zero_point: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int32 [ceil(N/8), G] packed along N -> int8 [N, G] zero points in [-8, 7]."""
+    return unpack_int4(weight_zero_point.t(), out_features).t()
+
+
 def dequantize_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, in_features: int,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The dense weight [N, K] = q * scale[:, k // group_size], rounded once to `dtype`
-    (default: the scale's dtype, which is what compressed-tensors' decompression yields)."""
+                    group_size: int | None, in_features: int,
+                    dtype: torch.dtype | None = None,
+                    weight_zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense weight [N, K] = (q - z) * scale[:, k // group_size], computed in float32 and
+    rounded once to `dtype` (default: the scale's dtype, which is what compressed-tensors'
+    decompression yields). group_size None: channel-wise scales [N, 1]; z = 0 without
+    `weight_zero_point` (int32 [ceil(N/8), G], see the module docstring)."""
+    group = group_size or in_features
     q = unpack_int4(weight_packed, in_features).float()  # [N, K]
-    scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    if weight_zero_point is not None:
+        zero = unpack_zero_point(weight_zero_point, weight_packed.shape[0]).float()  # [N, G]
+        q = q - zero.repeat_interleave(group, dim=1)[:, :in_features]
+    scale = weight_scale.float().repeat_interleave(group, dim=1)[:, :in_features]
     return (q * scale).to(dtype or weight_scale.dtype)
 
 
 def int4_gemm_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
+                  group_size: int | None,
+                  weight_zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch y = x @ dequant(W).T with the kernels' semantics (module docstring).
 
     x [M, K] (any float dtype), weight_packed int32 [N, K/8], weight_scale [N, K/group_size]
+    ([N, 1] with group_size None), weight_zero_point int32 [ceil(N/8), K/group_size] or None
     -> y [M, N] in x.dtype. Runs on any device; this is the CPU path of the engine.
     """
-    w = dequantize_int4(weight_packed, weight_scale, group_size, x.shape[-1], x.dtype)
+    w = dequantize_int4(weight_packed, weight_scale, group_size, x.shape[-1], x.dtype,
+                        weight_zero_point)
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
@@ -94,34 +117,58 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
-                  stride_sg, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE (zeros past K or N).
+def _zero_nibbles(z_ptr, offs_n, group, mask, stride_zn, stride_zg):
+    """Stored zero points u_z = z + 8 of rows offs_n ([1, BLOCK_N]) in groups `group` (a
+    scalar or [BLOCK_K, 1]): nibble n % 8 of word [n // 8, group]."""
+    words = tl.load(z_ptr + (offs_n[None, :] // 8) * stride_zn + group * stride_zg, mask=mask,
+                    other=0)
+    return (words >> ((offs_n[None, :] % 8) * 4)) & 0xF
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, z_ptr, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                  stride_sg, stride_zn, stride_zg, GROUP_SIZE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE: zeros past N;
+    rows past K are finite and meet zero activations (callers mask x there).
 
     k0 is a multiple of BLOCK_K. When BLOCK_K divides GROUP_SIZE the tile lies in one group:
-    one scale per column; otherwise each K row reads its group's scale (repeats hit L1).
+    one scale (and zero point) per column; otherwise each K row reads its group's (repeats
+    hit L1). Without HAS_ZP the stored zero point is the constant 8 (symmetric); z_ptr and
+    its strides are then unused.
     """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_k[:, None] < K) & mask_n[None, :]
     words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k[:, None] // 8) * stride_wk,
                     mask=mask, other=0)  # [BLOCK_K, BLOCK_N] int32, each word read 8 times
-    q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
+    u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
     if BLOCK_K <= GROUP_SIZE:
-        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn + (k0 // GROUP_SIZE) * stride_sg,
+        group = k0 // GROUP_SIZE
+        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn + group * stride_sg,
                         mask=mask_n[None, :], other=0.0)  # [1, BLOCK_N]
+        if HAS_ZP:
+            q = u - _zero_nibbles(z_ptr, offs_n, group, mask_n[None, :], stride_zn, stride_zg)
+        else:
+            q = u - 8
     else:
-        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn
-                        + (offs_k[:, None] // GROUP_SIZE) * stride_sg, mask=mask, other=0.0)
+        groups = offs_k[:, None] // GROUP_SIZE  # [BLOCK_K, 1]
+        scale = tl.load(s_ptr + offs_n[None, :] * stride_sn + groups * stride_sg, mask=mask,
+                        other=0.0)
+        if HAS_ZP:
+            q = u - _zero_nibbles(z_ptr, offs_n, groups, mask, stride_zn, stride_zg)
+        else:
+            q = u - 8
     return round_to(q.to(tl.float32) * scale.to(tl.float32), OUT_DTYPE, EMULATE)
 
 
 @triton.jit
-def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_split,
+def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_blocks_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
-                        stride_os, stride_om, stride_on,
+                        stride_zn, stride_zg, stride_os, stride_om, stride_on,
                         GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
+                        EMULATE: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); out is [SPLIT_K, M, N] (strided)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -137,9 +184,9 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                              stride_wk, stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype,
-                              EMULATE)
+            w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                              stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                              BLOCK_K, HAS_ZP, act_dtype, EMULATE)
             x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=offs_k < K,
                         other=0.0)  # [BLOCK_K]
             acc += w.to(tl.float32) * x.to(tl.float32)[:, None]
@@ -152,9 +199,9 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                              stride_wk, stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype,
-                              EMULATE)
+            w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                              stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                              BLOCK_K, HAS_ZP, act_dtype, EMULATE)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             acc2 = dot_acc(x, w, acc2, EMULATE)
@@ -165,11 +212,12 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_blocks_per_spli
 
 
 @triton.jit
-def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
+def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
-                       stride_om, stride_on,
+                       stride_zn, stride_zg, stride_om, stride_on,
                        GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EMULATE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_ZP: tl.constexpr,
+                       EMULATE: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); GROUP_M row tiles share weight tiles in L2."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -187,8 +235,9 @@ def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(w_ptr, s_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
-                          stride_sn, stride_sg, GROUP_SIZE, BLOCK_K, act_dtype, EMULATE)
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                          stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                          BLOCK_K, HAS_ZP, act_dtype, EMULATE)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = dot_acc(x, w, acc, EMULATE)
@@ -214,7 +263,7 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, group_size: int | None, num_sms: int) -> GemmConfig:
     """The launch configuration for x [m, k] @ W [n, k].T: split-K for m <= 64, tiled above.
 
     Small M is bound by reading the weights once, which wants about two programs per SM in
@@ -243,27 +292,49 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
+def check_quantized_weight(name: str, packed: torch.Tensor, scale: torch.Tensor,
+                           zero_point: torch.Tensor | None, group_size: int | None,
+                           n: int, k: int) -> None:
+    """Raise ValueError naming `{name}_packed`/`_scale`/`_zero_point` unless the tensors are
+    one INT4 weight [n, k] (leading dimensions allowed, e.g. experts) in the module's layout;
+    group_size None is channel-wise."""
+    if group_size is not None and group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or None "
+                         f"(channel-wise), got {group_size}")
+    if group_size is not None and k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    lead = tuple(packed.shape[:-2])
+    groups = 1 if group_size is None else k // group_size
+    expected = {f"{name}_packed": (packed, (*lead, n, triton.cdiv(k, PACK_FACTOR)), "int32"),
+                f"{name}_scale": (scale, (*lead, n, groups), "bf16/fp16/fp32"),
+                f"{name}_zero_point": (zero_point, (*lead, triton.cdiv(n, PACK_FACTOR), groups),
+                                       "int32")}
+    for label, (t, shape, dtypes) in expected.items():
+        if t is None:
+            continue
+        dtype_ok = (t.dtype in SUPPORTED_SCALE_DTYPES if label.endswith("_scale")
+                    else t.dtype == torch.int32)
+        if not dtype_ok or tuple(t.shape) != shape:
+            raise ValueError(f"{label} must be {dtypes} {list(shape)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+
+
 def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
-                         weight_scale: torch.Tensor, group_size: int) -> None:
+                         weight_scale: torch.Tensor, group_size: int | None,
+                         weight_zero_point: torch.Tensor | None = None) -> None:
     """Raise ValueError naming the tensor when the operands break the layout contract."""
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
     if x.dim() != 2 or x.dtype not in SUPPORTED_ACT_DTYPES:
         raise ValueError(f"x must be a 2-D float16/bfloat16 tensor, got {x.dtype} "
                          f"{tuple(x.shape)}")
     m, k = x.shape
-    if k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide x's K = {k}")
     n = weight_packed.shape[0] if weight_packed.dim() == 2 else -1
-    if weight_packed.dtype != torch.int32 or tuple(weight_packed.shape) != (n, k // PACK_FACTOR):
-        raise ValueError(f"weight_packed must be int32 [N, K/8] = [N, {k // PACK_FACTOR}], got "
-                         f"{weight_packed.dtype} {tuple(weight_packed.shape)}")
-    if weight_scale.dtype not in SUPPORTED_SCALE_DTYPES:
-        raise ValueError(f"weight_scale must be bf16/fp16/fp32, got {weight_scale.dtype}")
-    if tuple(weight_scale.shape) != (n, k // group_size):
-        raise ValueError(f"weight_scale must be [N, K/group_size] = [{n}, {k // group_size}], "
-                         f"got {tuple(weight_scale.shape)}")
-    for name, t in (("x", x), ("weight_packed", weight_packed), ("weight_scale", weight_scale)):
+    check_quantized_weight("weight", weight_packed, weight_scale, weight_zero_point,
+                           group_size, n, k)
+    operands = {"x": x, "weight_packed": weight_packed, "weight_scale": weight_scale,
+                "weight_zero_point": weight_zero_point}
+    for name, t in operands.items():
+        if t is None:
+            continue
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
         if _max_offset(t) > _INT32_MAX:
@@ -273,31 +344,52 @@ def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
                          "int4_gemm_ref on the CPU or set TRITON_INTERPRET=1")
 
 
+def kernel_group_size(group_size: int | None, k: int) -> int:
+    """The kernels' GROUP_SIZE: the group, or for channel-wise scales one group of
+    next_power_of_2(k) >= k columns (every K block then reads scale column 0)."""
+    return group_size or triton.next_power_of_2(k)
+
+
+def zero_point_args(zero_point: torch.Tensor | None, like: torch.Tensor
+                    ) -> tuple[torch.Tensor, int, int]:
+    """(pointer tensor, stride over packed rows, stride over groups) of the last two dims of
+    `zero_point`; without one, `like` stands in (never read: HAS_ZP is False) with strides 0."""
+    if zero_point is None:
+        return like, 0, 0
+    return zero_point, zero_point.stride(-2), zero_point.stride(-1)
+
+
 def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-              group_size: int, config: GemmConfig | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(weight_packed, weight_scale).T in x.dtype (see module doc).
+              group_size: int | None, config: GemmConfig | None = None,
+              weight_zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(weight_packed, weight_scale, weight_zero_point).T in
+    x.dtype (see module doc). group_size None: channel-wise scales [N, 1].
 
     `config` overrides `choose_config` (benchmarks and tests only). Raises ValueError for any
     operand outside the layout contract instead of launching.
     """
-    check_int4_gemm_args(x, weight_packed, weight_scale, group_size)
+    check_int4_gemm_args(x, weight_packed, weight_scale, group_size, weight_zero_point)
     m, k = x.shape
     n = weight_packed.shape[0]
     cfg = config or choose_config(m, n, k, group_size, device_num_sms(x.device))
     if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {cfg.block_k}")
     emulate = needs_bf16_emulation(x)
+    group = kernel_group_size(group_size, k)
+    zp, stride_zn, stride_zg = zero_point_args(weight_zero_point, weight_packed)
+    has_zp = weight_zero_point is not None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if cfg.kind == "tiled":
         _int4_tiled_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)](
-            x, weight_packed, weight_scale, out, m, n, k,
+            x, weight_packed, weight_scale, zp, out, m, n, k,
             x.stride(0), x.stride(1), weight_packed.stride(0), weight_packed.stride(1),
-            weight_scale.stride(0), weight_scale.stride(1), out.stride(0), out.stride(1),
-            GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EMULATE=emulate, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            weight_scale.stride(0), weight_scale.stride(1), stride_zn, stride_zg,
+            out.stride(0), out.stride(1),
+            GROUP_SIZE=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, HAS_ZP=has_zp, EMULATE=emulate,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     k_blocks_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
     # One split writes y directly; several write fp32 partials [split_k, M, N] summed below.
@@ -305,12 +397,12 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
         (cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
     _int4_splitk_kernel[grid](
-        x, weight_packed, weight_scale, partial, m, n, k, k_blocks_per_split,
+        x, weight_packed, weight_scale, zp, partial, m, n, k, k_blocks_per_split,
         x.stride(0), x.stride(1), weight_packed.stride(0), weight_packed.stride(1),
-        weight_scale.stride(0), weight_scale.stride(1),
+        weight_scale.stride(0), weight_scale.stride(1), stride_zn, stride_zg,
         partial.stride(0), partial.stride(1), partial.stride(2),
-        GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EMULATE=emulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_SIZE=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_ZP=has_zp, EMULATE=emulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         out.copy_(partial.sum(0))
     return out

@@ -19,8 +19,13 @@ from specd.kernels.int4_gemm import (
     int4_gemm,
     int4_gemm_ref,
     unpack_int4,
+    unpack_zero_point,
 )
 from specd.workers.quantization import pack_int4
+
+ct_pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.base")
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 
 
 def _random_int4(n: int, k: int, group_size: int, seed: int
@@ -140,6 +145,114 @@ def test_bad_operands_raise_naming_the_tensor(change: dict[str, object], message
     args: dict[str, object] = {"x": torch.randn(2, 96).bfloat16(),
                                "weight_packed": torch.zeros(7, 12, dtype=torch.int32),
                                "weight_scale": torch.ones(7, 3).bfloat16(), "group_size": 32}
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        int4_gemm(**args)
+
+
+# ----------------------------------------------------------------------------- zero points and
+# channel-wise scales, against compressed-tensors' own packing and decompression
+
+
+def _ct_int4(n: int, k: int, group_size: int | None, symmetric: bool, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weight_packed, weight_scale bf16, weight_zero_point or None) as compressed-tensors
+    packs them: random q and z in [-8, 7], scales per group (group_size None: per row)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size is None else k // group_size
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, groups, generator=g) * 0.05 + 0.005).to(torch.bfloat16)
+    zero = torch.randint(-8, 8, (n, groups), generator=g, dtype=torch.int8)
+    return (pack_to_int32(q, 4), scale,
+            None if symmetric else pack_to_int32(zero, 4, packed_dim=0))
+
+
+def ct_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                  group_size: int | None, k: int) -> torch.Tensor:
+    """compressed-tensors' decompression of one pack-quantized weight (the oracle)."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=zero_point is None,
+                            strategy="channel" if group_size is None else "group",
+                            group_size=group_size)
+    state = {"weight_packed": packed, "weight_scale": scale,
+             "weight_shape": torch.tensor([packed.shape[0], k])}
+    if zero_point is not None:
+        state["weight_zero_point"] = zero_point
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    return ct_pack.PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_matches_compressed_tensors(group_size: int | None, symmetric: bool) -> None:
+    """13 rows: the zero points' last packed word is partly padding."""
+    packed, scale, zero = _ct_int4(13, 256, group_size, symmetric, seed=5)
+    oracle = ct_dequantize(packed, scale, zero, group_size, 256)
+    assert torch.equal(dequantize_int4(packed, scale, group_size, 256, weight_zero_point=zero),
+                       oracle)
+    # float32 scales: compressed-tensors computes in the scale's dtype, exact in float32
+    assert torch.equal(dequantize_int4(packed, scale.float(), group_size, 256, torch.float32,
+                                       zero),
+                       ct_dequantize(packed, scale.float(), zero, group_size, 256))
+    if zero is not None:
+        assert unpack_zero_point(zero, 13).shape == scale.shape
+
+
+_ASYMMETRIC_AND_CHANNEL = [(32, False), (128, False), (None, True), (None, False)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group_size", "symmetric"), [
+    *[(m, n, 128, *scheme) for m, n in ((1, 37), (5, 37), (70, 21))
+      for scheme in _ASYMMETRIC_AND_CHANNEL],
+    # K = 96, not a multiple of the 64-wide K block: one channel-wise group over K allows it
+    *[(m, 19, 96, None, symmetric) for m in (1, 6) for symmetric in (True, False)],
+    (6, 19, 96, 32, False),
+])
+def test_zero_points_and_channel_scales(m: int, n: int, k: int, group_size: int | None,
+                                        symmetric: bool) -> None:
+    """GEMV (M = 1), split-K with tl.dot and tiled (M = 70) paths, against the reference,
+    and the reference against compressed-tensors' decompressed weight."""
+    packed, scale, zero = _ct_int4(n, k, group_size, symmetric, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    y = int4_gemm(x, packed, scale, group_size, weight_zero_point=zero)
+    ref = int4_gemm_ref(x, packed, scale, group_size, zero)
+    dense = ct_dequantize(packed, scale, zero, group_size, k).float()
+    torch.testing.assert_close(ref.float(), (x.float() @ dense.t()).to(x.dtype).float(),
+                               rtol=2**-8, atol=1e-5)
+    w = dequantize_int4(packed, scale, group_size, k, x.dtype, zero).float()
+    atol = float((x.float().abs() @ w.abs().t()).max()) * k * 2**-24 + 1e-6
+    torch.testing.assert_close(y.float(), ref.float(), rtol=torch.finfo(x.dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize(("block_k", "split_k"), [(64, 1), (128, 2)])
+def test_zero_points_read_per_k_row(block_k: int, split_k: int) -> None:
+    """K blocks wider than the group of 32: each K row reads its group's zero point."""
+    packed, scale, zero = _ct_int4(21, 256, 32, False, seed=9)
+    x = torch.randn(6, 256).to(torch.float16)
+    cfg = GemmConfig("splitk", 16, 16, block_k, split_k=split_k)
+    y = int4_gemm(x, packed, scale, 32, config=cfg, weight_zero_point=zero)
+    _assert_close_to(y, int4_gemm_ref(x, packed, scale, 32, zero), x, k=256)
+
+
+def _assert_close_to(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, k: int) -> None:
+    atol = float(ref.float().abs().max()) * k * 2**-22 + 1e-6
+    torch.testing.assert_close(y.float(), ref.float(), rtol=torch.finfo(x.dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"weight_zero_point": torch.zeros(3, 3, dtype=torch.int32)}, "weight_zero_point must be"),
+    ({"weight_zero_point": torch.zeros(1, 2, dtype=torch.int32)}, "weight_zero_point must be"),
+    ({"weight_zero_point": torch.zeros(1, 3, dtype=torch.int8)}, "weight_zero_point must be"),
+    ({"group_size": None}, "weight_scale must be"),  # channel-wise wants [N, 1]
+    ({"group_size": None, "weight_scale": torch.ones(7, 1).bfloat16(),
+      "weight_zero_point": torch.zeros(1, 3, dtype=torch.int32)}, "weight_zero_point must be"),
+])
+def test_bad_zero_points_and_channel_scales_raise(change: dict[str, object],
+                                                  message: str) -> None:
+    args: dict[str, object] = {"x": torch.randn(2, 96).bfloat16(),
+                               "weight_packed": torch.zeros(7, 12, dtype=torch.int32),
+                               "weight_scale": torch.ones(7, 3).bfloat16(), "group_size": 32,
+                               "weight_zero_point": torch.zeros(1, 3, dtype=torch.int32)}
+    int4_gemm(**args)  # the unchanged operands are valid: N = 7 packs into one zero-point row
     args.update(change)
     with pytest.raises(ValueError, match=message):
         int4_gemm(**args)
