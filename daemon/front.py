@@ -4,8 +4,8 @@
 Everything runs on one asyncio (uvloop) thread; no handler awaits a client, so one client
 never delays another, and long prompts are tokenized on a worker thread (`prompts.py`).
 A generate request is open (in the request table) from its arrival: while its prompt is
-tokenized, then in the scheduler until its last frame. Queries and control requests are
-answered by `control.Control`. No torch is imported here.
+tokenized, then in the scheduler until its last frame (`request_flow.RequestFlow`).
+Queries and control requests are answered by `control.Control`. No torch is imported here.
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from typing import Any
 from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
-from specd.daemon.detokenizer import IncrementalDetokenizer
 from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
-from specd.daemon.prompts import PromptEncoder, PromptText, RequestError
-from specd.daemon.request_table import OpenRequest, RequestTable
+from specd.daemon.request_flow import RequestFlow
+from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.daemon.server import Connection, start_server
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc import messages as m
 from specd.ipc.framing import FrameCodec
-from specd.ipc.sampling import SamplingParams
 from specd.ipc.zmq_link import LinkSendError
 from specd.logs import log_event
 from specd.tokenizer import Tokenizer
@@ -51,8 +49,6 @@ class Front:
                  listener: socket.socket) -> None:
         self.config = config
         self.lifecycle = lifecycle
-        self.tokenizer = tokenizer
-        self.prompts = PromptEncoder(tokenizer, config)
         self.listener = listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
             m.ClientMessage, config.max_frame_bytes)
@@ -71,7 +67,7 @@ class Front:
         self.exit_code: int | None = None
         self.counters: Counter[str] = Counter()
         self._next_connection_id = 0
-        self._next_request_number = 0
+        self.requests = RequestFlow(self, tokenizer)
         self.control = Control(self)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
@@ -99,7 +95,7 @@ class Front:
         await asyncio.sleep(0.05)  # let the transports flush their last frames
         for task in background + list(self._tasks):
             task.cancel()
-        self.prompts.close()
+        self.requests.close()
         self.scheduler.close()
         return self.exit_code if self.exit_code is not None else EXIT_SOFTWARE
 
@@ -113,6 +109,10 @@ class Front:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def note_progress(self) -> None:
+        """The scheduler moved (or had no work until now): the hang watchdog restarts."""
+        self.last_progress = time.monotonic()
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -177,10 +177,12 @@ class Front:
                       "drain timeout: ending the requests still open",
                       request_ids=[r.request_id for r in open_requests])
         for request in open_requests:
-            self._end_with_error(request, "drained", "the daemon is shutting down", abort=True)
-        self._check_drained()
+            self.requests.end_with_error(request, "drained", "the daemon is shutting down",
+                                         abort=True)
+        self.check_drained()
 
-    def _check_drained(self) -> None:
+    def check_drained(self) -> None:
+        """While draining: once no request is open, stop the scheduler and exit."""
         if self.state is State.DRAINING and not self.table and not self.is_stopping:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
@@ -210,7 +212,7 @@ class Front:
                   scheduler_pid=self.scheduler.pid, open_requests=len(open_requests),
                   scheduler_traceback=traceback)
         for request in open_requests:
-            self._end_with_error(request, "scheduler_unavailable", cause, abort=False)
+            self.requests.end_with_error(request, "scheduler_unavailable", cause, abort=False)
         self.scheduler.kill()
         self._finish_run(code)
 
@@ -251,15 +253,13 @@ class Front:
 
     def _on_scheduler_message(self, message: m.FromScheduler) -> None:
         if isinstance(message, m.StepOutput):
-            self.last_progress = time.monotonic()
+            self.note_progress()
             for delta in message.deltas:
-                self._on_delta(delta)
+                self.requests.on_delta(delta)
         elif isinstance(message, m.QueryReply):
             self.control.on_reply(message)
         elif isinstance(message, m.RequestRejected):
-            request = self.table.get(message.request_id)
-            if request is not None:
-                self._end_with_error(request, "bad_request", message.message, abort=False)
+            self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
             self.scheduler_stage = message.stage
             self.lifecycle.starting(f"scheduler: {message.stage}")
@@ -282,74 +282,10 @@ class Front:
         self.ready = ready
         if self.state is State.STARTING:
             self.state = State.READY
-        self.last_progress = time.monotonic()
+        self.note_progress()
         log_event(log, logging.INFO, "ready", "scheduler ready", resolved=ready.resolved,
                   warmup_s=round(ready.warmup_s, 3), scheduler_pid=ready.pid)
         self.lifecycle.ready(f"model {ready.resolved.get('model_name')}")
-
-    def _on_delta(self, delta: m.TokenDelta) -> None:
-        request = self.table.get(delta.request_id)
-        if request is None:
-            return  # aborted while the step ran
-        text = request.detokenizer.add(delta.new_token_ids)
-        request.num_output_tokens = delta.num_output_tokens
-        if delta.new_token_ids:
-            request.num_sampling_steps += 1
-        logprobs = delta.logprobs if request.want_logprobs else []
-        if request.stream:
-            if text or delta.new_token_ids:
-                request.peer.send(m.Delta(request.client_id, text, delta.new_token_ids, logprobs))
-        else:
-            request.unsent_token_ids.extend(delta.new_token_ids)
-            request.unsent_logprobs.extend(logprobs)
-        if delta.error is not None:
-            # A failed step was blamed on this request: the engine ended it, others go on.
-            self._end_with_error(request, "internal_error", delta.error, abort=False)
-        elif delta.finish_reason is not None:
-            self._finish(request, delta.finish_reason, delta)
-        elif request.detokenizer.is_stopped:
-            self._abort_in_scheduler([request.request_id])
-            self._finish(request, "stop", delta)
-
-    def _finish(self, request: OpenRequest, reason: str, delta: m.TokenDelta) -> None:
-        rest = request.detokenizer.finish()
-        steps = request.num_sampling_steps
-        request.peer.send(m.Final(
-            id=request.client_id,
-            finish_reason=reason,
-            num_prompt_tokens=delta.num_prompt_tokens,
-            num_output_tokens=delta.num_output_tokens,
-            text=rest if request.stream else request.detokenizer.text,
-            token_ids=request.unsent_token_ids,
-            num_cached_tokens=delta.num_cached_tokens,
-            num_drafted=delta.num_drafted,
-            num_accepted=delta.num_accepted,
-            acceptance_length=delta.num_output_tokens / steps if steps else 0.0,
-            stop_string=request.detokenizer.stop_string,
-            logprobs=request.unsent_logprobs,
-        ))
-        self.counters[f"finished_{reason}"] += 1
-        self.counters["output_tokens"] += delta.num_output_tokens
-        self.table.remove(request)
-        self._check_drained()
-
-    def _end_with_error(self, request: OpenRequest, code: str, message: str,
-                        abort: bool) -> None:
-        if abort:
-            self._abort_in_scheduler([request.request_id])
-        request.peer.send(m.Error(request.client_id, code, message))
-        self.counters[f"error_{code}"] += 1
-        self.table.remove(request)
-        self._check_drained()
-
-    def _abort_in_scheduler(self, request_ids: list[str]) -> None:
-        if not request_ids or self.state is State.FAILED:
-            return
-        try:
-            self.scheduler.send(m.AbortRequests(request_ids))
-        except LinkSendError as exc:
-            log_event(log, logging.ERROR, "abort_lost", f"abort not sent: {exc}",
-                      request_ids=request_ids)
 
     # ---- clients -> front --------------------------------------------------------------
 
@@ -367,22 +303,13 @@ class Front:
 
     def on_close(self, connection: Connection, reason: str) -> None:
         self.connections.pop(connection.connection_id, None)
-        orphans = self.table.of_connection(connection.connection_id)
-        for request in orphans:
-            self.table.remove(request)
-        if orphans:
-            ids = [r.request_id for r in orphans]
-            self._abort_in_scheduler(ids)
-            log_event(log, logging.INFO, "client_gone", f"connection closed ({reason}); "
-                      f"aborted {len(ids)} requests", connection=connection.connection_id,
-                      request_ids=ids)
-            self._check_drained()
+        self.requests.on_connection_closed(connection, reason)
 
     def has_open_requests(self, connection: Connection) -> bool:
         return bool(self.table.of_connection(connection.connection_id))
 
     def on_large_frame(self) -> None:
-        self.prompts.release_memory_soon()
+        self.requests.prompts.release_memory_soon()
 
     def on_message(self, connection: Connection, message: m.ClientMessage) -> None:
         try:
@@ -396,98 +323,8 @@ class Front:
 
     def _dispatch(self, connection: Connection, message: m.ClientMessage) -> None:
         if isinstance(message, m.Generate):
-            try:
-                self._admit(connection, message)
-            except RequestError as exc:
-                connection.reject(message.id, exc.code, str(exc))
+            self.requests.admit(connection, message)
         elif isinstance(message, m.Abort):
-            self._on_abort(connection, message)
+            self.requests.on_abort(connection, message)
         else:
             self.control.handle(connection, message)
-
-    def _admit(self, connection: Connection, message: m.Generate) -> None:
-        """Open the request, or raise RequestError; its prompt is tokenized here when
-        short, else on the worker thread while the request waits in the table."""
-        if self.state is State.STARTING:
-            raise RequestError("starting", f"the scheduler is starting ({self.scheduler_stage})")
-        if self.state is State.DRAINING:
-            raise RequestError("shutting_down", "the daemon is draining; no new requests")
-        if self.state is State.FAILED or self.ready is None:
-            raise RequestError("scheduler_unavailable", "the scheduler is not available")
-        if self.table.find(connection.connection_id, message.id) is not None:
-            raise RequestError("duplicate_id", f"request id {message.id} is already in flight")
-        if len(self.table) >= self.config.max_pending_requests:
-            raise RequestError("overloaded", f"{len(self.table)} requests open; retry later")
-        prompt = self.prompts.prepare(message, self._max_model_len())
-        self._next_request_number += 1
-        request = OpenRequest(
-            f"r{self._next_request_number}", message.id, connection,
-            IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
-            message.stream, 0, message.sampling.logprobs > 0)
-        self.table.add(request)
-        if message.deadline_s is not None:
-            request.deadline = asyncio.get_running_loop().call_later(
-                message.deadline_s, self._on_deadline, request, message.deadline_s)
-        if isinstance(prompt, list):
-            self._submit(request, prompt, message.sampling)
-        else:
-            self.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
-
-    def _max_model_len(self) -> int:
-        assert self.ready is not None  # admission checked it
-        return int(self.ready.resolved["max_model_len"])
-
-    async def _tokenize_and_submit(self, request: OpenRequest, prompt: PromptText,
-                                   sampling: SamplingParams) -> None:
-        try:
-            prompt_ids = await self.prompts.encode_off_loop(prompt.text,
-                                                            prompt.add_special_tokens)
-        except Exception as exc:  # noqa: BLE001 - ends this request; the log has the rest
-            log.exception("tokenizing request %s failed", request.request_id,
-                          extra={"event": "internal_error"})
-            if self.table.get(request.request_id) is request:
-                self._end_with_error(request, "internal_error", f"tokenizing failed: {exc!r}",
-                                     abort=False)
-            return
-        if self.table.get(request.request_id) is request:  # else aborted or ended meanwhile
-            self._submit(request, prompt_ids, sampling)
-
-    def _submit(self, request: OpenRequest, prompt_ids: list[int],
-                sampling: SamplingParams) -> None:
-        """Send an open request to the scheduler, or end it with the reason it cannot go."""
-        max_model_len = self._max_model_len()
-        if not prompt_ids:
-            self._end_with_error(request, "bad_request", "the prompt encodes to no tokens",
-                                 abort=False)
-            return
-        if len(prompt_ids) >= max_model_len:
-            self._end_with_error(request, "prompt_too_long", f"prompt has {len(prompt_ids)} "
-                                 f"tokens; this model allows at most {max_model_len - 1}",
-                                 abort=False)
-            return
-        try:
-            self.scheduler.send(m.AddRequest(request.request_id, prompt_ids, sampling))
-        except LinkSendError as exc:
-            self._end_with_error(request, "overloaded", f"the scheduler's queue is full: "
-                                 f"{exc}", abort=False)
-            return
-        if self.table.num_submitted == 0:
-            self.last_progress = time.monotonic()  # idle time is not a stall
-        request.num_prompt_tokens = len(prompt_ids)
-        self.table.mark_submitted(request)
-
-    def _on_deadline(self, request: OpenRequest, deadline_s: float) -> None:
-        if self.table.get(request.request_id) is request:
-            self._end_with_error(request, "deadline_exceeded",
-                                 f"not finished within {deadline_s:g} s", abort=True)
-
-    def _on_abort(self, connection: Connection, message: m.Abort) -> None:
-        request = self.table.find(connection.connection_id, message.target)
-        if request is None:
-            connection.reject(message.id, "not_found", f"no request {message.target} in flight")
-            return
-        self._abort_in_scheduler([request.request_id])
-        delta = m.TokenDelta(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens)
-        self._finish(request, "abort", delta)
-        connection.send(m.Ack(message.id, f"aborted {message.target}"))

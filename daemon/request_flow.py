@@ -1,0 +1,240 @@
+"""The front's generate requests, from admission to their last frame.
+
+A request is admitted only while the scheduler is ready, under `max_pending_requests`, and
+with an id not already in flight on its connection; it is open (in the front's request
+table) from then on: while its prompt is tokenized (short prompts at once, long ones on the
+prompt encoder's worker thread), then in the scheduler. Each step's `TokenDelta` is
+detokenized and streamed (or kept for the final frame); the request ends with a final frame
+(a finish reason from the engine, a stop string, an abort) or an error frame (a failed
+step, a deadline, a drain, a dead scheduler), and leaves the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from specd.daemon.detokenizer import IncrementalDetokenizer
+from specd.daemon.lifecycle import State
+from specd.daemon.prompts import PromptEncoder, PromptText, RequestError
+from specd.daemon.request_table import OpenRequest
+from specd.daemon.server import Connection
+from specd.ipc import messages as m
+from specd.ipc.sampling import SamplingParams
+from specd.ipc.zmq_link import LinkSendError
+from specd.logs import log_event
+from specd.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specd.daemon.front import Front
+
+log = logging.getLogger("specd.front")
+
+
+class RequestFlow:
+    """The generate requests of `front`: admission, tokenizing, submission to the
+    scheduler, output to the client, and every way a request ends. Shares the front's
+    request table and counters; owns the prompt encoder."""
+
+    def __init__(self, front: Front, tokenizer: Tokenizer) -> None:
+        self.front = front
+        self.config = front.config
+        self.table = front.table
+        self.counters = front.counters
+        self.tokenizer = tokenizer
+        self.prompts = PromptEncoder(tokenizer, front.config)
+        self._next_request_number = 0
+
+    def close(self) -> None:
+        self.prompts.close()
+
+    # ---- client -> scheduler -------------------------------------------------------------
+
+    def admit(self, connection: Connection, message: m.Generate) -> None:
+        """Open the request, or answer the client why not."""
+        try:
+            self._open(connection, message)
+        except RequestError as exc:
+            connection.reject(message.id, exc.code, str(exc))
+
+    def _open(self, connection: Connection, message: m.Generate) -> None:
+        """Open the request, or raise RequestError; its prompt is tokenized here when
+        short, else on the worker thread while the request waits in the table."""
+        if self.front.state is State.STARTING:
+            raise RequestError("starting",
+                               f"the scheduler is starting ({self.front.scheduler_stage})")
+        if self.front.state is State.DRAINING:
+            raise RequestError("shutting_down", "the daemon is draining; no new requests")
+        if self.front.state is State.FAILED or self.front.ready is None:
+            raise RequestError("scheduler_unavailable", "the scheduler is not available")
+        if self.table.find(connection.connection_id, message.id) is not None:
+            raise RequestError("duplicate_id", f"request id {message.id} is already in flight")
+        if len(self.table) >= self.config.max_pending_requests:
+            raise RequestError("overloaded", f"{len(self.table)} requests open; retry later")
+        prompt = self.prompts.prepare(message, self._max_model_len())
+        self._next_request_number += 1
+        request = OpenRequest(
+            f"r{self._next_request_number}", message.id, connection,
+            IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
+            message.stream, 0, message.sampling.logprobs > 0)
+        self.table.add(request)
+        if message.deadline_s is not None:
+            request.deadline = asyncio.get_running_loop().call_later(
+                message.deadline_s, self._on_deadline, request, message.deadline_s)
+        if isinstance(prompt, list):
+            self._submit(request, prompt, message.sampling)
+        else:
+            self.front.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
+
+    def _max_model_len(self) -> int:
+        assert self.front.ready is not None  # admission checked it
+        return int(self.front.ready.resolved["max_model_len"])
+
+    async def _tokenize_and_submit(self, request: OpenRequest, prompt: PromptText,
+                                   sampling: SamplingParams) -> None:
+        try:
+            prompt_ids = await self.prompts.encode_off_loop(prompt.text,
+                                                            prompt.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - ends this request; the log has the rest
+            log.exception("tokenizing request %s failed", request.request_id,
+                          extra={"event": "internal_error"})
+            if self.table.get(request.request_id) is request:
+                self.end_with_error(request, "internal_error", f"tokenizing failed: {exc!r}",
+                                    abort=False)
+            return
+        if self.table.get(request.request_id) is request:  # else aborted or ended since
+            self._submit(request, prompt_ids, sampling)
+
+    def _submit(self, request: OpenRequest, prompt_ids: list[int],
+                sampling: SamplingParams) -> None:
+        """Send an open request to the scheduler, or end it with the reason it cannot go."""
+        max_model_len = self._max_model_len()
+        if not prompt_ids:
+            self.end_with_error(request, "bad_request", "the prompt encodes to no tokens",
+                                abort=False)
+            return
+        if len(prompt_ids) >= max_model_len:
+            self.end_with_error(request, "prompt_too_long", f"prompt has {len(prompt_ids)} "
+                                f"tokens; this model allows at most {max_model_len - 1}",
+                                abort=False)
+            return
+        try:
+            self.front.scheduler.send(m.AddRequest(request.request_id, prompt_ids, sampling))
+        except LinkSendError as exc:
+            self.end_with_error(request, "overloaded", f"the scheduler's queue is full: "
+                                f"{exc}", abort=False)
+            return
+        if self.table.num_submitted == 0:
+            self.front.note_progress()  # idle time is not a stall
+        request.num_prompt_tokens = len(prompt_ids)
+        self.table.mark_submitted(request)
+
+    def _on_deadline(self, request: OpenRequest, deadline_s: float) -> None:
+        if self.table.get(request.request_id) is request:
+            self.end_with_error(request, "deadline_exceeded",
+                                f"not finished within {deadline_s:g} s", abort=True)
+
+    def on_abort(self, connection: Connection, message: m.Abort) -> None:
+        """A client's abort of its own request: a final frame with `abort`, then an ack."""
+        request = self.table.find(connection.connection_id, message.target)
+        if request is None:
+            connection.reject(message.id, "not_found", f"no request {message.target} in flight")
+            return
+        self.abort_in_scheduler([request.request_id])
+        delta = m.TokenDelta(request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens)
+        self.finish(request, "abort", delta)
+        connection.send(m.Ack(message.id, f"aborted {message.target}"))
+
+    def on_rejected(self, message: m.RequestRejected) -> None:
+        """The engine refused the request (a token id outside the vocabulary, ...)."""
+        request = self.table.get(message.request_id)
+        if request is not None:
+            self.end_with_error(request, "bad_request", message.message, abort=False)
+
+    def on_connection_closed(self, connection: Connection, reason: str) -> None:
+        """The client left: its open requests are aborted."""
+        orphans = self.table.of_connection(connection.connection_id)
+        for request in orphans:
+            self.table.remove(request)
+        if orphans:
+            ids = [r.request_id for r in orphans]
+            self.abort_in_scheduler(ids)
+            log_event(log, logging.INFO, "client_gone", f"connection closed ({reason}); "
+                      f"aborted {len(ids)} requests", connection=connection.connection_id,
+                      request_ids=ids)
+            self.front.check_drained()
+
+    # ---- scheduler -> client -------------------------------------------------------------
+
+    def on_delta(self, delta: m.TokenDelta) -> None:
+        """One request's output of a step: streamed or kept, then the request ends if the
+        engine finished or failed it, or a stop string appeared in its text."""
+        request = self.table.get(delta.request_id)
+        if request is None:
+            return  # aborted while the step ran
+        text = request.detokenizer.add(delta.new_token_ids)
+        request.num_output_tokens = delta.num_output_tokens
+        if delta.new_token_ids:
+            request.num_sampling_steps += 1
+        logprobs = delta.logprobs if request.want_logprobs else []
+        if request.stream:
+            if text or delta.new_token_ids:
+                request.peer.send(m.Delta(request.client_id, text, delta.new_token_ids, logprobs))
+        else:
+            request.unsent_token_ids.extend(delta.new_token_ids)
+            request.unsent_logprobs.extend(logprobs)
+        if delta.error is not None:
+            # A failed step was blamed on this request: the engine ended it, others go on.
+            self.end_with_error(request, "internal_error", delta.error, abort=False)
+        elif request.detokenizer.is_stopped:
+            # A stop string ends the request as "stop" even when the engine finished it in
+            # the same step (for its length): the text was cut at the string.
+            if delta.finish_reason is None:
+                self.abort_in_scheduler([request.request_id])
+            self.finish(request, "stop", delta)
+        elif delta.finish_reason is not None:
+            self.finish(request, delta.finish_reason, delta)
+
+    def finish(self, request: OpenRequest, reason: str, delta: m.TokenDelta) -> None:
+        """End the request with its final frame, `delta` holding its last counts."""
+        rest = request.detokenizer.finish()
+        steps = request.num_sampling_steps
+        request.peer.send(m.Final(
+            id=request.client_id,
+            finish_reason=reason,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_output_tokens=delta.num_output_tokens,
+            text=rest if request.stream else request.detokenizer.text,
+            token_ids=request.unsent_token_ids,
+            num_cached_tokens=delta.num_cached_tokens,
+            num_drafted=delta.num_drafted,
+            num_accepted=delta.num_accepted,
+            acceptance_length=delta.num_output_tokens / steps if steps else 0.0,
+            stop_string=request.detokenizer.stop_string,
+            logprobs=request.unsent_logprobs,
+        ))
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["output_tokens"] += delta.num_output_tokens
+        self.table.remove(request)
+        self.front.check_drained()
+
+    def end_with_error(self, request: OpenRequest, code: str, message: str,
+                       abort: bool) -> None:
+        """End the request with an error frame (`abort`: and abort it in the scheduler)."""
+        if abort:
+            self.abort_in_scheduler([request.request_id])
+        request.peer.send(m.Error(request.client_id, code, message))
+        self.counters[f"error_{code}"] += 1
+        self.table.remove(request)
+        self.front.check_drained()
+
+    def abort_in_scheduler(self, request_ids: list[str]) -> None:
+        if not request_ids or self.front.state is State.FAILED:
+            return
+        try:
+            self.front.scheduler.send(m.AbortRequests(request_ids))
+        except LinkSendError as exc:
+            log_event(log, logging.ERROR, "abort_lost", f"abort not sent: {exc}",
+                      request_ids=request_ids)
