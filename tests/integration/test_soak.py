@@ -314,7 +314,6 @@ class Soak:
         self.finals: Counter[str] = Counter()  # final frames seen, by finish reason
         self.output_tokens = 0
         self.ops: Counter[str] = Counter()
-        self.known_bugs: Counter[str] = Counter()
         self.greedy: dict[tuple[str, int], list[tuple[list[int], str]]] = {}
         self.conns: list[Conn] = []
         self.rss: list[int] = []
@@ -543,12 +542,7 @@ class Soak:
             bad.append(f"text {text!r} is not its tokens' {cut!r}")
         if hits and hits.get(final.stop_string or "") != min(hits.values()):
             bad.append(f"stop_string {final.stop_string!r}, the first in {full!r} is another")
-        if final.stop_string is not None and reason == "length" and len(ids) == meta.max_tokens:
-            # The known bug test_a_stop_string_in_the_last_step_finishes_with_stop pins (xfail):
-            # a stop string found in the step that reached max_tokens is reported as length.
-            # Counted, not failed, so that the soak guards everything else until it is fixed.
-            self.known_bugs["stop string in the last step reported as length"] += 1
-        elif (not hits and final.stop_string is not None) or (
+        if (not hits and final.stop_string is not None) or (
                 final.stop_string is not None and reason != "stop"):
             bad.append(f"stop_string {final.stop_string!r}, finish {reason}")
         if bad:
@@ -847,7 +841,7 @@ def test_soak_and_fuzz_32_clients(daemon: Daemon) -> None:
         "draft_s", "verify_s", "catch_up_s")}
     summary = (f"soak: {elapsed:.1f} s (warm-up round {soak.warm_up_s:.1f} s), engine {spec}, "
                f"ops {dict(soak.ops)}, finals {dict(soak.finals)}, "
-               f"errors {dict(soak.errors)}, known bugs {dict(soak.known_bugs)}, "
+               f"errors {dict(soak.errors)}, "
                f"{soak.output_tokens} tokens, {compared} greedy "
                f"outputs compared in {len(soak.greedy)} prompts; front RSS "
                f"{soak.rss_after_warmup / 2**20:.0f} MB after warm-up, max "
@@ -877,12 +871,6 @@ def test_soak_and_fuzz_32_clients(daemon: Daemon) -> None:
     assert growth < RSS_GROWTH_LIMIT, summary
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "daemon/front.py _on_delta checks the engine's finish_reason before the detokenizer's "
-    "stop: a stop string found in the delta that also reached max_tokens ends the request "
-    "with finish_reason 'length' although stop_string is set and the text was cut at it "
-    "(protocol: finish 'stop' covers stop strings). Found by the soak; remove this mark and "
-    "the known_bugs tolerance in Soak.check_generate once fixed"))
 def test_a_stop_string_in_the_last_step_finishes_with_stop(daemon: Daemon) -> None:
     tok = _tokenizer()
     with daemon.client() as client:
