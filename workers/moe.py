@@ -16,10 +16,11 @@ dropped expert when every kept choice score is negative (a negative bias). specd
 transformers (-inf: a dropped group's expert is never chosen).
 
 All routed-expert computation goes through `experts_forward(x, topk_ids, topk_weights,
-weights)`: on the CPU a torch implementation that sorts the (token, slot) pairs by expert
-and runs one SwiGLU per expert that received tokens. `ExpertWeights` holds the stacked
-weights; a fused (INT4) kernel replaces `experts_forward` and the weights object without
-touching the model.
+weights)`. With `ExpertWeights` (stacked dense weights) it is a torch implementation that
+sorts the (token, slot) pairs by expert and runs one SwiGLU per expert that received tokens.
+With `Int4ExpertWeights` (kernels/moe_w4a16.py: stacked compressed-tensors INT4 experts) it
+is the fused W4A16 MoE kernel on CUDA (fp16/bf16) and the kernel's torch reference, which
+dequantizes each expert that received tokens, elsewhere.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.kernels.int4_gemm import SUPPORTED_ACT_DTYPES
+from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16, fused_moe_w4a16_ref
 from specd.workers.deepseek_config import MoeConfig
 from specd.workers.layers import LinearFactory
 
@@ -84,15 +87,21 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.
 
 
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    weights: ExpertWeights) -> torch.Tensor:
+                    weights: ExpertWeights | Int4ExpertWeights) -> torch.Tensor:
     """x [M, H], topk_ids int64 [M, k], topk_weights float32 [M, k] -> [M, H] in x's dtype:
     sum over slots j of topk_weights[m, j] * SwiGLU_{topk_ids[m, j]}(x[m]).
 
-    The M * k (token, slot) pairs are sorted by expert (stable), each expert that received
-    pairs runs one gate/up and one down matmul over its contiguous rows, and the weighted
-    rows are summed back into their tokens in float32. The loop runs over experts, never
-    over tokens; the per-expert bounds are read on the host (this is the CPU path).
+    INT4 weights: `fused_moe_w4a16` on CUDA with fp16/bf16 activations, else its reference.
+    Dense weights: the M * k (token, slot) pairs are sorted by expert (stable), each expert
+    that received pairs runs one gate/up and one down matmul over its contiguous rows, and
+    the weighted rows are summed back into their tokens in float32. The loop runs over
+    experts, never over tokens; the per-expert bounds are read on the host (this is the CPU
+    path).
     """
+    if isinstance(weights, Int4ExpertWeights):
+        if x.is_cuda and x.dtype in SUPPORTED_ACT_DTYPES:
+            return fused_moe_w4a16(x, topk_ids, topk_weights, weights)
+        return fused_moe_w4a16_ref(x, topk_ids, topk_weights, weights)
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # [M * k] pairs grouped by expert

@@ -1,0 +1,409 @@
+"""Fused mixture of INT4 (W4A16) experts: y[t] = sum_j w[t, j] * SwiGLU_{e[t, j]}(x[t]).
+
+Memory layout (E experts, H hidden, I expert intermediate; `Int4ExpertWeights`): each expert's
+gate_proj, up_proj and down_proj in the compressed-tensors `pack-quantized` layout of
+kernels/int4_gemm.py (W = (q - z) * scale, eight 4-bit values per int32 along the input
+dimension, least significant nibble first, stored as value + 8), stacked over experts:
+
+* `w13_packed` int32 [E, 2I, H/8]: expert e's gate_proj rows [0, I), then its up_proj rows
+  [I, 2I). `w13_scale` [E, 2I, H/group] (channel-wise: [E, 2I, 1]).
+* `w2_packed` int32 [E, H, I/8] (down_proj), `w2_scale` [E, H, I/group] ([E, H, 1]).
+* Asymmetric only: `w13_zero_point` int32 [E, ceil(2I/8), H/group] and `w2_zero_point` int32
+  [E, ceil(H/8), I/group], packed along the output rows (compressed-tensors'
+  `pack_to_int32(zero_point, 4, packed_dim=0)` of the stacked rows: with I % 8 == 0 that is
+  gate's words followed by up's). Symmetric experts have none (z = 0).
+* group_size 32, 64 or 128 for every projection, or None for channel-wise scales.
+
+Pipeline (`fused_moe_w4a16`, vLLM's `fused_experts` structure, notes/mla_moe_tp.md section 3):
+
+1. `moe_align_block_size`: the M * k (token, slot) pairs, "pair" p = token * k + slot, sorted
+   by expert (stable) and each expert's run padded to a multiple of BLOCK_M with the
+   sentinel M * k; one expert id per BLOCK_M block; the padded length. In torch (a handful of
+   small ops, no host synchronisation, sizes fixed by M, k, E and BLOCK_M).
+2. Gate/up launch over (block, N tile): the block's rows gathered from x (row p // k), times
+   the gate and the up tile of the block's expert (two accumulators), SiLU-and-multiply fused
+   in the epilogue -> h [M * k, I] at row p.
+3. Down launch: h rows times the expert's down_proj, multiplied by the router weight of the
+   pair in the epilogue -> weighted [M * k, H] at row p.
+4. `moe_sum`: weighted viewed [M, k, H] summed over k in float32.
+
+`routed_scaling_factor`: workers/moe.py's `route` multiplies it into topk_weights, so the
+weights arrive scaled and are applied as given; nothing here scales again.
+
+Semantics (the kernels and `fused_moe_w4a16_ref` alike), with `rnd` the rounding to the
+activation dtype: weights dequantized in float32 and rounded once (int4_gemm.py);
+gate = rnd(x W_gate^T), up = rnd(x W_up^T) accumulated in float32; h = rnd(rnd(silu(gate)) *
+up); y = rnd(h W_down^T); weighted = rnd(y * w) in float32; out = rnd(sum_j weighted_j) in
+float32. These are the roundings of workers/moe.py's dense path plus one (weighted is stored
+in the activation dtype, as vLLM's fused MoE stores it, to keep the buffer at 2 bytes).
+
+Tokens are processed in chunks of CHUNK_TOKENS, so the buffers (h and weighted, CHUNK_TOKENS
+* k * (I + H) activation elements) stay bounded whatever M is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.int4_gemm import (
+    SUPPORTED_ACT_DTYPES,
+    _dequant_tile,
+    check_quantized_weight,
+    dequantize_int4,
+    kernel_group_size,
+    zero_point_args,
+)
+
+CHUNK_TOKENS = 2048  # tokens per pass: bounds h and weighted (untuned)
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Int4ExpertWeights:
+    """Stacked INT4 SwiGLU weights of E routed experts (module docstring's layout); the INT4
+    counterpart of workers/moe.py's `ExpertWeights`. ValueError on construction for tensors
+    outside the layout."""
+
+    w13_packed: torch.Tensor
+    w13_scale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+    group_size: int | None
+    w13_zero_point: torch.Tensor | None = None
+    w2_zero_point: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.w13_packed.dim() != 3 or self.w2_packed.dim() != 3:
+            raise ValueError(f"w13_packed and w2_packed must be 3-D [E, N, K/8], got "
+                             f"{list(self.w13_packed.shape)} and {list(self.w2_packed.shape)}")
+        if self.w13_packed.shape[1] % 2 or self.w2_packed.shape[0] != self.num_experts:
+            raise ValueError(f"w13_packed [E, 2I, H/8] and w2_packed [E, H, I/8] disagree: "
+                             f"{list(self.w13_packed.shape)}, {list(self.w2_packed.shape)}")
+        h, i = self.hidden_size, self.intermediate_size
+        check_quantized_weight("w13", self.w13_packed, self.w13_scale, self.w13_zero_point,
+                               self.group_size, 2 * i, h)
+        check_quantized_weight("w2", self.w2_packed, self.w2_scale, self.w2_zero_point,
+                               self.group_size, h, i)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_packed.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13_packed.shape[1] // 2
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2_packed.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor held, by field name (zero points only when present)."""
+        fields = ("w13_packed", "w13_scale", "w2_packed", "w2_scale", "w13_zero_point",
+                  "w2_zero_point")
+        return {f: t for f in fields if (t := getattr(self, f)) is not None}
+
+    def dequantized(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s dense (w13 [2I, H], w2 [H, I]) rounded once to `dtype`."""
+        def zero(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[expert]
+
+        w13 = dequantize_int4(self.w13_packed[expert], self.w13_scale[expert], self.group_size,
+                              self.hidden_size, dtype, zero(self.w13_zero_point))
+        w2 = dequantize_int4(self.w2_packed[expert], self.w2_scale[expert], self.group_size,
+                             self.intermediate_size, dtype, zero(self.w2_zero_point))
+        return w13, w2
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Capacity of `sorted_ids`: every nonempty expert (at most min(E, pairs)) pads fewer
+    than block_m rows, rounded up to whole blocks."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [M, k] (ids in [0, E)) -> (sorted_ids int32 [P], expert_ids int32 [P / block_m],
+    num_tokens_post_padded int32 [1]), P = max_padded_pairs(M * k, E, block_m).
+
+    sorted_ids lists the pairs p = token * k + slot expert by expert (ascending expert, and
+    ascending p within one), each expert's run padded to a multiple of block_m with the
+    sentinel M * k; entries from num_tokens_post_padded on are sentinels too. expert_ids[b] is
+    the expert of block b, -1 for blocks from num_tokens_post_padded on. Example (vLLM's):
+    topk_ids [[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], block_m 4 -> sorted_ids
+    [3, 6, 9, 12 | 0, 4, 10, 12 | 1, 7, 11, 12 | 2, 5, 8, 12 | 12 ...], expert_ids
+    [1, 2, 3, 4, -1 ...], num_tokens_post_padded [16].
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # bincount without a host sync
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # [M * k] pairs grouped by expert
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    capacity = max_padded_pairs(num_pairs, num_experts, block_m)
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[(padded_ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    num_post = padded_ends[-1:]
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
+    expert_ids = torch.where(block_starts < num_post, expert_ids, -1)
+    return sorted_ids, expert_ids.to(torch.int32), num_post.to(torch.int32)
+
+
+def moe_sum(weighted: torch.Tensor) -> torch.Tensor:
+    """[M, k, H] router-weighted expert outputs -> [M, H]: summed in float32, rounded once."""
+    return weighted.float().sum(dim=1).to(weighted.dtype)
+
+
+def _silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] -> [n, I]: rnd(rnd(silu(gate)) * up), computed in float32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
+
+
+def fused_moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        weights: Int4ExpertWeights) -> torch.Tensor:
+    """Pure-torch `fused_moe_w4a16` with the kernels' semantics (module docstring): x [M, H]
+    (any float dtype), topk_ids [M, k], topk_weights [M, k] -> [M, H] in x.dtype.
+
+    The pairs are sorted by expert; each expert that received pairs is dequantized once and
+    runs one gate/up and one down product over its rows (a loop over experts, never over
+    tokens; the bounds are read on the host: this is the CPU path).
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    pair_weights = topk_weights.reshape(-1).float()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=weights.num_experts).tolist()
+    weighted = x.new_empty(num_tokens * top_k, weights.hidden_size)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        w13, w2 = weights.dequantized(expert, x.dtype)
+        gate_up = (x[pairs // top_k].float() @ w13.float().t()).to(x.dtype)  # [count, 2I]
+        y = (_silu_and_mul_ref(gate_up).float() @ w2.float().t()).to(x.dtype)  # [count, H]
+        weighted[pairs] = (y.float() * pair_weights[pairs, None]).to(x.dtype)
+    return moe_sum(weighted.view(num_tokens, top_k, weights.hidden_size))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, z_ptr, pair_weight_ptr, out_ptr,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+                      num_pairs, a_row_divisor, N, K, num_blocks,
+                      stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                      stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+                      stride_om, stride_on,
+                      GATE_UP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      HAS_ZP: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (num_blocks * cdiv(N, BLOCK_N),), GROUP_M blocks sharing each weight tile in turn.
+
+    Program (block b, N tile): the BLOCK_M pairs sorted_ids[b * BLOCK_M:], A rows
+    pair // a_row_divisor, expert expert_ids[b]; blocks at or past num_post exit at once.
+    GATE_UP: out[pair, n] = rnd(rnd(silu(rnd(A W[n]))) * rnd(A W[N + n])) for n < N (W is
+    [2N, K]); otherwise out[pair, n] = rnd(rnd(A W[n]) * pair_weight[pair]).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    act_dtype = out_ptr.dtype.element_ty
+    expert = tl.load(expert_ids_ptr + pid_m)
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_ze
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    mask_m = pairs < num_pairs  # padding rows hold the sentinel num_pairs
+    rows = pairs // a_row_divisor
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = _dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
+                          stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K,
+                          HAS_ZP, act_dtype, EMULATE)
+        acc = dot_acc(a, w, acc, EMULATE)
+        if GATE_UP:
+            w_up = _dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n + N, mask_n, stride_wn,
+                                 stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
+                                 GROUP_SIZE, BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+            acc_up = dot_acc(a, w_up, acc_up, EMULATE)
+    y = round_to(acc, act_dtype, EMULATE).to(tl.float32)
+    if GATE_UP:
+        up = round_to(acc_up, act_dtype, EMULATE).to(tl.float32)
+        silu = round_to(y / (1.0 + tl.exp(-y)), act_dtype, EMULATE).to(tl.float32)
+        y = silu * up
+    else:
+        y = y * tl.load(pair_weight_ptr + pairs, mask=mask_m, other=0.0)[:, None]
+    out = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, round_to(y, act_dtype, EMULATE), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    """Launch parameters: block_m rows per block (the alignment of each expert's run), the
+    N and K tiles of the gate/up and of the down launch."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    block_n_down: int = 64
+    block_k_down: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_moe_config(num_pairs: int, num_experts: int, intermediate_size: int,
+                      hidden_size: int) -> FusedMoeConfig:
+    """BLOCK_M from the mean rows per expert (16 in decode, where each expert gets a few
+    rows; up to 64 in prefill, with GROUP_M 8 for L2 reuse of weight tiles across blocks);
+    64-wide N and K tiles, narrower only for small layers. Untuned guesses until
+    tools/bench_kernels.py has run on the GPU."""
+    mean_rows = num_pairs / num_experts
+    block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
+
+    def tile(size: int) -> int:
+        return min(64, max(16, triton.next_power_of_2(size)))
+
+    return FusedMoeConfig(block_m, tile(intermediate_size), tile(hidden_size),
+                          tile(hidden_size), tile(intermediate_size),
+                          group_m=1 if block_m == 16 else 8)
+
+
+def check_moe_config(cfg: FusedMoeConfig) -> None:
+    """ValueError unless every block size is a power of two >= 16 (`tl.dot`'s minimum)."""
+    for name in ("block_m", "block_n", "block_k", "block_n_down", "block_k_down"):
+        size = getattr(cfg, name)
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         weights: Int4ExpertWeights) -> None:
+    """Raise ValueError naming the operand when it breaks the launcher's contract (the
+    weights' own layout is checked when `Int4ExpertWeights` is built). The ids' values are
+    not read (that would synchronise): they must lie in [0, E)."""
+    if x.dim() != 2 or x.dtype not in SUPPORTED_ACT_DTYPES:
+        raise ValueError(f"x must be a 2-D float16/bfloat16 tensor, got {x.dtype} "
+                         f"{list(x.shape)}")
+    if x.shape[1] != weights.hidden_size:
+        raise ValueError(f"x has hidden size {x.shape[1]}, the experts "
+                         f"{weights.hidden_size}")
+    if (topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1
+            or topk_ids.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"topk_ids must be int32/int64 [M, k] with M = {x.shape[0]}, got "
+                         f"{topk_ids.dtype} {list(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be a float tensor {list(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {list(topk_weights.shape)}")
+    operands = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights,
+                **weights.tensors()}
+    for name, t in operands.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+        if _max_offset(t) > _INT32_MAX:
+            raise ValueError(f"{name}'s strides {t.stride()} address past 2**31 elements")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_moe_w4a16 needs CUDA tensors (x is on {x.device}); use "
+                         "fused_moe_w4a16_ref on the CPU or set TRITON_INTERPRET=1")
+
+
+def _launch(a: torch.Tensor, a_row_divisor: int, packed: torch.Tensor, scale: torch.Tensor,
+            zero_point: torch.Tensor | None, pair_weights: torch.Tensor, out: torch.Tensor,
+            routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], gate_up: bool,
+            group_size: int | None, block_n: int, block_k: int, cfg: FusedMoeConfig) -> None:
+    """One `_fused_moe_kernel` launch: out [pairs, N] from A rows and W [E, N or 2N, K/8]."""
+    sorted_ids, expert_ids, num_post = routing
+    n = out.shape[1]
+    k = a.shape[1]
+    zp, stride_zn, stride_zg = zero_point_args(zero_point, packed)
+    num_blocks = expert_ids.numel()
+    _fused_moe_kernel[(num_blocks * triton.cdiv(n, block_n),)](
+        a, packed, scale, zp, pair_weights, out, sorted_ids, expert_ids, num_post,
+        pair_weights.numel(), a_row_divisor, n, k, num_blocks,
+        a.stride(0), a.stride(1), packed.stride(0), packed.stride(1), packed.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        zp.stride(0) if zero_point is not None else 0, stride_zn, stride_zg,
+        out.stride(0), out.stride(1),
+        GATE_UP=gate_up, GROUP_SIZE=kernel_group_size(group_size, k), BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, HAS_ZP=zero_point is not None,
+        EMULATE=needs_bf16_emulation(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _fused_moe_chunk(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     weights: Int4ExpertWeights, config: FusedMoeConfig | None) -> torch.Tensor:
+    """Steps 1-4 of the module docstring for one chunk of tokens: [M, H] -> [M, H]."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    w = weights
+    cfg = config or choose_moe_config(num_pairs, w.num_experts, w.intermediate_size,
+                                      w.hidden_size)
+    routing = moe_align_block_size(topk_ids, cfg.block_m, w.num_experts)
+    pair_weights = topk_weights.reshape(-1).float()  # [M * k], pair p at p
+    h = torch.empty(num_pairs, w.intermediate_size, dtype=x.dtype, device=x.device)
+    _launch(x, top_k, w.w13_packed, w.w13_scale, w.w13_zero_point, pair_weights, h, routing,
+            True, w.group_size, cfg.block_n, cfg.block_k, cfg)
+    weighted = torch.empty(num_pairs, w.hidden_size, dtype=x.dtype, device=x.device)
+    _launch(h, 1, w.w2_packed, w.w2_scale, w.w2_zero_point, pair_weights, weighted, routing,
+            False, w.group_size, cfg.block_n_down, cfg.block_k_down, cfg)
+    return moe_sum(weighted.view(num_tokens, top_k, w.hidden_size))
+
+
+def fused_moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    weights: Int4ExpertWeights,
+                    config: FusedMoeConfig | None = None) -> torch.Tensor:
+    """x [M, H] fp16/bf16 (any strides), topk_ids int32/int64 [M, k] in [0, E), topk_weights
+    float [M, k] (routed_scaling_factor included) -> [M, H] in x.dtype: sum over slots j of
+    topk_weights[m, j] * SwiGLU_{topk_ids[m, j]}(x[m]) with the module docstring's semantics.
+
+    `config` overrides `choose_moe_config` (benchmarks and tests only). Raises ValueError for
+    any operand outside the contract instead of launching.
+    """
+    check_fused_moe_args(x, topk_ids, topk_weights, weights)
+    if config is not None:
+        check_moe_config(config)
+    if x.shape[0] == 0:
+        return x.new_empty(0, weights.hidden_size)
+    if x.shape[0] <= CHUNK_TOKENS:
+        return _fused_moe_chunk(x, topk_ids, topk_weights, weights, config)
+    return torch.cat([_fused_moe_chunk(x[rows], topk_ids[rows], topk_weights[rows], weights,
+                                       config)
+                      for rows in (slice(s, s + CHUNK_TOKENS)
+                                   for s in range(0, x.shape[0], CHUNK_TOKENS))])
