@@ -14,6 +14,8 @@ rtol = 2 eps, atol = 2 eps * max|reference|.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -287,6 +289,31 @@ def test_kernel_operand_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_kernel_matches(x, ids.to(torch.int32), topk_weights.bfloat16(), weights)
 
 
+def n_major(weights: Int4ExpertWeights) -> Int4ExpertWeights:
+    """The same experts with every tensor stored output-contiguous within an expert
+    (strides (N * X, 1, N)), the layout that coalesces the weight reads."""
+    def t(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    w13_zero, w2_zero = weights.w13_zero_point, weights.w2_zero_point
+    return Int4ExpertWeights(t(weights.w13_packed), t(weights.w13_scale), t(weights.w2_packed),
+                             t(weights.w2_scale), weights.group_size,
+                             None if w13_zero is None else t(w13_zero),
+                             None if w2_zero is None else t(w2_zero))
+
+
+def test_kernel_reads_output_major_weights() -> None:
+    weights, _ = make_experts(5, 64, 32, 32, False, seed=11)
+    strided = n_major(weights)
+    assert strided.w13_packed.stride()[1] == 1 and torch.equal(strided.w2_scale,
+                                                               weights.w2_scale)
+    ids, topk_weights = routing(6, 2, 5, seed=12)
+    x = torch.randn(6, 64).bfloat16()
+    _assert_kernel_matches(x, ids, topk_weights, strided)
+    assert torch.equal(fused_moe_w4a16(x, ids, topk_weights, strided),
+                       fused_moe_w4a16(x, ids, topk_weights, weights))
+
+
 def test_no_tokens() -> None:
     weights, _ = make_experts(2, 64, 32, 32, True)
     args = (torch.empty(0, 64).bfloat16(), torch.empty(0, 2, dtype=torch.int64),
@@ -347,3 +374,36 @@ def test_weight_layout_errors(field: str, value: object, message: str) -> None:
     fields[field] = value
     with pytest.raises(ValueError, match=message):
         Int4ExpertWeights(**fields)
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="TRITON_INTERPRET=1: set TRITON_INTERPRET=0 to compile for the GPU")
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize(("group_size", "symmetric"), [(32, True), (128, False), (None, True)])
+def test_kernel_matches_reference_on_gpu(num_tokens: int, group_size: int | None,
+                                         symmetric: bool) -> None:
+    """Kimi-K2's expert widths (hidden 7168, intermediate 2048, top 8) over 16 experts, so
+    that experts receive up to ~150 rows: the configurations decode and prefill choose."""
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    groups = {h_or_i: 1 if group_size is None else h_or_i // group_size for h_or_i in (7168, 2048)}
+
+    def words(*shape: int) -> torch.Tensor:  # every nibble uniform in [0, 16)
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device="cuda",
+                             generator=g)
+
+    def scales(n: int, k: int) -> torch.Tensor:
+        return (torch.rand(16, n, groups[k], device="cuda", generator=g) * 0.002
+                + 0.001).bfloat16()
+
+    weights = Int4ExpertWeights(
+        words(16, 4096, 896), scales(4096, 7168), words(16, 7168, 256), scales(7168, 2048),
+        group_size, None if symmetric else words(16, 512, groups[7168]),
+        None if symmetric else words(16, 896, groups[2048]))
+    ids, topk_weights = routing(num_tokens, 8, 16, seed=num_tokens)
+    x = torch.randn(num_tokens, 7168).bfloat16().cuda()
+    _assert_kernel_matches(x, ids.cuda(), topk_weights.cuda(), weights)
+
