@@ -18,8 +18,11 @@ Pipeline (`fused_moe_w4a16`, vLLM's `fused_experts` structure, notes/mla_moe_tp.
 
 1. `moe_align_block_size`: the M * k (token, slot) pairs, "pair" p = token * k + slot, sorted
    by expert (stable) and each expert's run padded to a multiple of BLOCK_M with the
-   sentinel M * k; one expert id per BLOCK_M block; the padded length. In torch (a handful of
-   small ops, no host synchronisation, sizes fixed by M, k, E and BLOCK_M).
+   sentinel M * k; one expert id per BLOCK_M block; the padded length. Up to
+   ALIGN_MAX_PAIRS pairs (decode and verification) one Triton program does it all (histogram,
+   sort of expert * BLOCK_P + p, scatter, a search per block): one launch where the torch
+   version (`moe_align_block_size_ref`, used above that) takes about thirty. Neither
+   synchronises with the host; sizes are fixed by M, k, E and BLOCK_M.
 2. Gate/up launch over (block, N tile): the block's rows gathered from x (row p // k), times
    the gate and the up tile of the block's expert (two accumulators), SiLU-and-multiply fused
    in the epilogue -> h [M * k, I] at row p.
@@ -62,6 +65,8 @@ from specd.kernels.int4_gemm import (
 )
 
 CHUNK_TOKENS = 2048  # tokens per pass: bounds h and weighted (untuned)
+ALIGN_MAX_PAIRS = 1024  # pairs up to which one Triton program aligns (its sort's width)
+ALIGN_MAX_EXPERTS = 1024  # histogram bins of that program
 _INT32_MAX = 2**31 - 1
 
 
@@ -132,8 +137,8 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] (ids in [0, E)) -> (sorted_ids int32 [P], expert_ids int32 [P / block_m],
     num_tokens_post_padded int32 [1]), P = max_padded_pairs(M * k, E, block_m).
 
@@ -203,7 +208,67 @@ def fused_moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return moe_sum(weighted.view(num_tokens, top_k, weights.hidden_size))
 
 
-# ----------------------------------------------------------------------------- kernel
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, delta_ptr,
+                      num_pairs, capacity, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (1,): `moe_align_block_size_ref`'s outputs for num_pairs <= BLOCK_P pairs of
+    experts < BLOCK_E. delta_ptr: int32 [BLOCK_E] scratch."""
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_pairs
+    ids = tl.load(ids_ptr + offs_p, mask=mask_p, other=0).to(tl.int32)
+    counts = tl.histogram(ids, BLOCK_E, mask=mask_p)  # [BLOCK_E]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    num_post = tl.sum(padded, 0)
+    # The i-th pair in sorted order goes to slot i + delta[its expert]: the expert's padded
+    # start minus its unpadded start. The vector goes through memory to be gathered.
+    delta = (padded_end - padded) - (tl.cumsum(counts, 0) - counts)
+    tl.store(delta_ptr + tl.arange(0, BLOCK_E), delta)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=offs < capacity)
+    keys = tl.sort(tl.where(mask_p, ids * BLOCK_P + offs_p, BLOCK_E * BLOCK_P))  # pads last
+    tl.debug_barrier()  # the sentinels and delta are written before they are overwritten/read
+    delta_of = tl.load(delta_ptr + keys // BLOCK_P, mask=mask_p, other=0)
+    tl.store(sorted_ids_ptr + offs_p + delta_of, keys % BLOCK_P, mask=mask_p)
+    tl.store(num_post_ptr, num_post)
+    num_blocks = capacity // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        block_start = blocks * BLOCK_M
+        # searchsorted(padded_end, block_start, right=True); experts >= E end at num_post
+        expert = tl.sum((padded_end[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(block_start < num_post, expert, -1),
+                 mask=blocks < num_blocks)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align_block_size_ref`'s outputs, equal element for element: one `_moe_align_kernel`
+    program on CUDA (or under the interpreter) for up to ALIGN_MAX_PAIRS pairs and
+    ALIGN_MAX_EXPERTS experts, the torch version otherwise."""
+    num_pairs = topk_ids.numel()
+    runs_triton = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if (not runs_triton or not 0 < num_pairs <= ALIGN_MAX_PAIRS
+            or num_experts > ALIGN_MAX_EXPERTS):
+        return moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    capacity = max_padded_pairs(num_pairs, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    delta = torch.empty(block_e, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, expert_ids,
+                            num_post, delta, num_pairs, capacity, BLOCK_M=block_m,
+                            BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+                            BLOCK_E=block_e, CHUNK=32, num_warps=4)
+    return sorted_ids, expert_ids, num_post
 
 
 @triton.jit

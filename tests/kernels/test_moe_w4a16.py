@@ -30,6 +30,7 @@ from specd.kernels.moe_w4a16 import (
     fused_moe_w4a16_ref,
     max_padded_pairs,
     moe_align_block_size,
+    moe_align_block_size_ref,
 )
 from specd.workers.moe import ExpertWeights, experts_forward
 
@@ -122,7 +123,7 @@ def routing(num_tokens: int, top_k: int, num_experts: int, seed: int,
 
 def test_align_matches_vllms_worked_example() -> None:
     ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])
-    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, 4, 5)
+    sorted_ids, expert_ids, num_post = moe_align_block_size_ref(ids, 4, 5)
     assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
     assert (sorted_ids[16:] == 12).all()
     assert expert_ids[:4].tolist() == [1, 2, 3, 4] and (expert_ids[4:] == -1).all()
@@ -133,15 +134,20 @@ def test_align_matches_vllms_worked_example() -> None:
     (1, 8, 384, 16, None),   # decode at Kimi's shape: 8 experts, one pair each
     (7, 2, 8, 16, None),
     (33, 3, 5, 16, None),    # several blocks per expert
-    (64, 8, 384, 32, None),
+    (16, 8, 384, 32, None),
     (9, 1, 4, 16, (2,)),     # every token picks expert 2
     (5, 3, 40, 64, (0, 7, 39)),  # most experts receive nothing
+    (130, 8, 384, 16, None),  # past ALIGN_MAX_PAIRS: the torch version in both
 ])
 def test_align_invariants(num_tokens: int, top_k: int, num_experts: int, block_m: int,
                           pool: tuple[int, ...] | None) -> None:
+    """The torch version's invariants, and the one-program Triton version equal to it."""
     ids, _ = routing(num_tokens, top_k, num_experts, seed=num_tokens, experts=pool)
     ids = ids.to(torch.int32)  # either integer dtype is accepted
-    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, block_m, num_experts)
+    sorted_ids, expert_ids, num_post = moe_align_block_size_ref(ids, block_m, num_experts)
+    for got, expected in zip(moe_align_block_size(ids.long(), block_m, num_experts),
+                             (sorted_ids, expert_ids, num_post), strict=True):
+        assert torch.equal(got, expected)
     num_pairs = num_tokens * top_k
     flat = ids.reshape(-1).long()
     counts = torch.bincount(flat, minlength=num_experts)
@@ -236,7 +242,7 @@ def _assert_kernel_matches(x: torch.Tensor, ids: torch.Tensor, topk_weights: tor
                                atol=2 * eps * float(ref.float().abs().max()))
 
 
-@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "pool"), [
+ROUTINGS = [  # (num_tokens, top_k, num_experts, experts drawn from)
     (7, 2, 8, None),         # odd token count
     (3, 2, 16, None),        # most experts receive no token
     (5, 1, 6, None),         # top-1
@@ -244,11 +250,16 @@ def _assert_kernel_matches(x: torch.Tensor, ids: torch.Tensor, topk_weights: tor
     (9, 1, 6, (3,)),         # every token picks the same expert
     (6, 3, 8, (1, 4, 6)),    # every token picks the same three
     (40, 2, 4, None),        # ~20 rows per expert: two 16-row blocks each
+]
+
+
+@pytest.mark.parametrize(("dtype", "num_tokens", "top_k", "num_experts", "pool"), [
+    *[(torch.bfloat16, *r) for r in ROUTINGS],
+    *[(torch.float16, *r) for r in ROUTINGS[::3]],
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_reference_on_routings(num_tokens: int, top_k: int, num_experts: int,
-                                              pool: tuple[int, ...] | None,
-                                              dtype: torch.dtype) -> None:
+def test_kernel_matches_reference_on_routings(dtype: torch.dtype, num_tokens: int, top_k: int,
+                                              num_experts: int,
+                                              pool: tuple[int, ...] | None) -> None:
     weights, _ = make_experts(num_experts, 64, 32, 32, True, seed=num_tokens)
     ids, topk_weights = routing(num_tokens, top_k, num_experts, seed=top_k, experts=pool)
     x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -309,7 +320,7 @@ def test_kernel_reads_output_major_weights() -> None:
                                                                weights.w2_scale)
     ids, topk_weights = routing(6, 2, 5, seed=12)
     x = torch.randn(6, 64).bfloat16()
-    _assert_kernel_matches(x, ids, topk_weights, strided)
+    _assert_kernel_matches(x, ids, topk_weights, weights)  # also the reference of `strided`
     assert torch.equal(fused_moe_w4a16(x, ids, topk_weights, strided),
                        fused_moe_w4a16(x, ids, topk_weights, weights))
 
