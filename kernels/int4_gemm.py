@@ -126,10 +126,10 @@ def _zero_nibbles(z_ptr, offs_n, group, mask, stride_zn, stride_zg):
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, z_ptr, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
-                  stride_sg, stride_zn, stride_zg, GROUP_SIZE: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                  EMULATE: tl.constexpr):
+def dequant_tile(w_ptr, s_ptr, z_ptr, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                 stride_sg, stride_zn, stride_zg, GROUP_SIZE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 EMULATE: tl.constexpr):
     """W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile in OUT_DTYPE: zeros past N;
     rows past K are finite and meet zero activations (callers mask x there).
 
@@ -184,9 +184,9 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_blocks_p
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                              stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
-                              BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+            w = dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                             stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                             BLOCK_K, HAS_ZP, act_dtype, EMULATE)
             x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=offs_k < K,
                         other=0.0)  # [BLOCK_K]
             acc += w.to(tl.float32) * x.to(tl.float32)[:, None]
@@ -199,9 +199,9 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_blocks_p
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                              stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
-                              BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+            w = dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                             stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                             BLOCK_K, HAS_ZP, act_dtype, EMULATE)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             acc2 = dot_acc(x, w, acc2, EMULATE)
@@ -235,9 +235,9 @@ def _int4_tiled_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                          stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
-                          BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+        w = dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
+                         stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
+                         BLOCK_K, HAS_ZP, act_dtype, EMULATE)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = dot_acc(x, w, acc, EMULATE)

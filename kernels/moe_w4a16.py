@@ -57,8 +57,8 @@ import triton.language as tl
 from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
 from specd.kernels.int4_gemm import (
     SUPPORTED_ACT_DTYPES,
-    _dequant_tile,
     check_quantized_weight,
+    dequant_tile,
     dequantize_int4,
     kernel_group_size,
     zero_point_args,
@@ -313,14 +313,14 @@ def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, z_ptr, pair_weight_ptr, out_ptr,
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
-                          stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K,
-                          HAS_ZP, act_dtype, EMULATE)
+        w = dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
+                         stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K,
+                         HAS_ZP, act_dtype, EMULATE)
         acc = dot_acc(a, w, acc, EMULATE)
         if GATE_UP:
-            w_up = _dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n + N, mask_n, stride_wn,
-                                 stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
-                                 GROUP_SIZE, BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+            w_up = dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n + N, mask_n, stride_wn,
+                                stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
+                                GROUP_SIZE, BLOCK_K, HAS_ZP, act_dtype, EMULATE)
             acc_up = dot_acc(a, w_up, acc_up, EMULATE)
     y = round_to(acc, act_dtype, EMULATE).to(tl.float32)
     if GATE_UP:
