@@ -39,6 +39,11 @@ class DaemonConfig:
     hang_timeout_s: a scheduler with work that sends no step output for this long is hung.
     startup_timeout_s: the scheduler must send Ready within this (load + warm-up).
     max_stop_strings / max_stop_chars: bounds on a request's stop strings.
+    http: serve the OpenAI-compatible HTTP API and /metrics on this address ("HOST:PORT",
+        "[IPv6]:PORT", or a bare port for loopback; port 0 takes a free one); None: off.
+        Its request bodies are bounded by max_frame_bytes, like the socket's frames.
+    api_key_file: with http, Bearer keys (one a line) that every endpoint but /health
+        requires; None: the HTTP port is open to anyone who can reach it.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -58,6 +63,8 @@ class DaemonConfig:
     startup_timeout_s: float = 1800.0
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    http: str | None = None
+    api_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:
@@ -81,6 +88,15 @@ class DaemonConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.operator_uid is not None and not 0 <= self.operator_uid < 2**32:
             raise ValueError(f"operator_uid must be a uid (>= 0), got {self.operator_uid}")
+        if self.http is not None:
+            _parse_http_address(self.http)  # raises ValueError naming the option
+        if self.api_key_file is not None and self.http is None:
+            raise ValueError("api_key_file needs http (the keys guard the HTTP API)")
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """(host, port) the HTTP API listens on; None when it is off."""
+        return None if self.http is None else _parse_http_address(self.http)
 
     @property
     def operator_uids(self) -> frozenset[int]:
@@ -105,3 +121,29 @@ class DaemonConfig:
         if runtime:
             return Path(runtime.split(":")[0])
         return self.socket_dir
+
+    @property
+    def restart_count_path(self) -> Path | None:
+        """Where the service counts its exits for a failed scheduler (each one restarted
+        by systemd): `$STATE_DIRECTORY/scheduler_restarts` under systemd (the unit's
+        StateDirectory=specd, kept across restarts); None elsewhere, where nothing
+        restarts the daemon."""
+        state = os.environ.get("STATE_DIRECTORY")
+        return Path(state.split(":")[0]) / "scheduler_restarts" if state else None
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def _parse_http_address(text: str) -> tuple[str, int]:
+    """"HOST:PORT", "[IPv6]:PORT", ":PORT" or "PORT" (loopback) -> (host, port)."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = "", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"http: write an IPv6 address in brackets ([::1]:8000), got {text!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"http expects HOST:PORT with a port in [0, 65535], got {text!r}")
+    return host or LOOPBACK, int(port_text)

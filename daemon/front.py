@@ -5,7 +5,9 @@ Everything runs on one asyncio (uvloop) thread; no handler awaits a client, so o
 never delays another, and long prompts are tokenized on a worker thread (`prompts.py`).
 A generate request is open (in the request table) from its arrival: while its prompt is
 tokenized, then in the scheduler until its last frame (`request_flow.RequestFlow`).
-Queries and control requests are answered by `control.Control`. No torch is imported here.
+Queries and control requests are answered by `control.Control`. With `--http`, the
+OpenAI-compatible API and /metrics (`daemon/http/`) serve on the same loop, through the
+same request flow. No torch is imported here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
+from specd.daemon.http.listener import HttpListener
+from specd.daemon.http.metrics import Metrics
+from specd.daemon.http.server import HttpServer
 from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
 from specd.daemon.request_flow import RequestFlow
 from specd.daemon.request_table import RequestTable
@@ -43,13 +48,19 @@ SHUTDOWN_WAIT_S = 5.0
 
 
 class Front:
-    """Owns the listener, the connections, the request table and the scheduler handle."""
+    """Owns the listeners, the connections, the request table and the scheduler handle.
+
+    http_listener: the HTTP API's bound port (None: HTTP off). scheduler_restarts: how
+    often this service already exited for a failed scheduler (`scheduler_restarts` in
+    the front's counters)."""
 
     def __init__(self, config: DaemonConfig, lifecycle: Lifecycle, tokenizer: Tokenizer,
-                 listener: socket.socket) -> None:
+                 listener: socket.socket, http_listener: HttpListener | None = None,
+                 scheduler_restarts: int = 0) -> None:
         self.config = config
         self.lifecycle = lifecycle
         self.listener = listener
+        self.http_listener = http_listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
             m.ClientMessage, config.max_frame_bytes)
         self.table = RequestTable()
@@ -65,7 +76,8 @@ class Front:
         self.is_hung = False
         self.is_stopping = False
         self.exit_code: int | None = None
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(scheduler_restarts=scheduler_restarts)
+        self.metrics = Metrics()
         self._next_connection_id = 0
         self.requests = RequestFlow(self, tokenizer)
         self.control = Control(self)
@@ -83,6 +95,10 @@ class Front:
         """Serve until drained or failed; returns the process exit code."""
         loop = asyncio.get_running_loop()
         server = await start_server(self._on_connection, self.listener, self.config)
+        http = None
+        if self.http_listener is not None:
+            http = HttpServer(self, self.http_listener)
+            await http.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         self.scheduler.watch_exit(self._on_scheduler_exit)
@@ -93,6 +109,8 @@ class Front:
         for connection in list(self.connections.values()):
             connection.close("daemon exiting")
         await asyncio.sleep(0.05)  # let the transports flush their last frames
+        if http is not None:
+            await http.close()  # the requests have ended; their handlers finish writing
         for task in background + list(self._tasks):
             task.cancel()
         self.requests.close()
@@ -103,6 +121,11 @@ class Front:
         if self.exit_code is None:
             self.exit_code = code
         self._done.set()
+
+    def new_connection_id(self) -> int:
+        """A connection id no other client has (socket connections and HTTP requests)."""
+        self._next_connection_id += 1
+        return self._next_connection_id
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task, cancelled when the front exits."""
@@ -291,8 +314,7 @@ class Front:
 
     async def _on_connection(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
-        self._next_connection_id += 1
-        connection = Connection(self._next_connection_id, reader, writer, self.codec,
+        connection = Connection(self.new_connection_id(), reader, writer, self.codec,
                                 self.config, self.counters)
         if len(self.connections) >= self.config.max_connections:
             connection.reject(None, "overloaded", "too many connections")

@@ -28,9 +28,10 @@ import zmq
 
 from specd.daemon.activation import SocketInUseError, bind_unix_socket, listening_socket_from_env
 from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
+from specd.daemon.http.listener import open_http_listener
 from specd.daemon.lifecycle import Lifecycle
 from specd.daemon.sdnotify import Notifier
-from specd.exit_codes import EXIT_CONFIG
+from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED
 from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
 from specd.tokenizer import Tokenizer
@@ -98,6 +99,11 @@ DAEMON_HELP = {
     "startup_timeout_s": "the scheduler must load and warm up within this (seconds).",
     "max_stop_strings": "most stop strings per request.",
     "max_stop_chars": "longest stop string, in characters.",
+    "http": "serve the OpenAI-compatible HTTP API and /metrics on HOST:PORT (a bare PORT: "
+            "loopback; [::1]:PORT for IPv6; off by default). Without --api-key-file anyone "
+            "who can reach the port may use it.",
+    "api_key_file": "with --http: Bearer keys, one a line, that every endpoint but /health "
+                    "requires (compared in constant time).",
 }
 FLAG_NAMES = {"socket_path": "socket"}
 
@@ -200,6 +206,10 @@ def run_daemon(config: DaemonConfig) -> int:
         return _config_failure(lifecycle, f"cannot load the tokenizer: {exc}")
     lifecycle.starting("socket")
     try:
+        http_listener = open_http_listener(config)
+    except (OSError, ValueError) as exc:
+        return _config_failure(lifecycle, f"cannot serve HTTP on {config.http}: {exc}")
+    try:
         listener = listening_socket_from_env()
         owns_path = listener is None
         if listener is None:
@@ -208,13 +218,14 @@ def run_daemon(config: DaemonConfig) -> int:
                                         backlog=config.max_connections)
     except (OSError, ValueError, SocketInUseError) as exc:
         return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
+    restarts = _read_restart_count(config.restart_count_path)
 
     async def serve() -> int:
         # Building the front makes the link directory, binds the ZeroMQ link and spawns
         # the scheduler: a failure there is the host's configuration (a directory that
         # cannot be made or written, a path too long for a socket), not a bug.
         try:
-            front = Front(config, lifecycle, tokenizer, listener)
+            front = Front(config, lifecycle, tokenizer, listener, http_listener, restarts)
         except (OSError, zmq.ZMQError) as exc:
             return _config_failure(
                 lifecycle, f"cannot start the scheduler (link directory under "
@@ -225,10 +236,35 @@ def run_daemon(config: DaemonConfig) -> int:
         code = uvloop.run(serve())
     finally:
         listener.close()
+        if http_listener is not None:
+            http_listener.sock.close()
         if owns_path:
             config.socket_path.unlink(missing_ok=True)
+    if code == EXIT_SCHEDULER_FAILED:
+        _write_restart_count(config.restart_count_path, restarts + 1)
     log_event(log, logging.INFO, "exit", f"specd exits with status {code}", exit_code=code)
     return code
+
+
+def _read_restart_count(path: Path | None) -> int:
+    """How often this service exited for a failed scheduler (0 without a state dir)."""
+    if path is None or not path.exists():
+        return 0
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError) as exc:
+        log_event(log, logging.WARNING, "restart_count", f"cannot read {path} ({exc}): "
+                  "counting scheduler restarts from 0")
+        return 0
+
+
+def _write_restart_count(path: Path | None, count: int) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(f"{count}\n")
+    except OSError as exc:
+        log_event(log, logging.WARNING, "restart_count", f"cannot write {path}: {exc}")
 
 
 def _config_failure(lifecycle: Lifecycle, cause: str,

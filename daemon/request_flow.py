@@ -7,19 +7,22 @@ prompt encoder's worker thread), then in the scheduler. Each step's `TokenDelta`
 detokenized and streamed (or kept for the final frame); the request ends with a final frame
 (a finish reason from the engine, a stop string, an abort) or an error frame (a failed
 step, a deadline, a drain, a dead scheduler), and leaves the table.
+
+A request answers to a `Client`: a socket `Connection`, or an HTTP request's peer
+(`daemon/http/peer.py`), admitted, ended and aborted the same way. Each output with tokens
+is timed for /metrics (`RequestLatency`: time to first token, inter-token latency).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from specd.daemon.detokenizer import IncrementalDetokenizer
 from specd.daemon.lifecycle import State
 from specd.daemon.prompts import PromptEncoder, PromptText, RequestError
-from specd.daemon.request_table import OpenRequest
-from specd.daemon.server import Connection
+from specd.daemon.request_table import OpenRequest, Peer
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
 from specd.ipc.zmq_link import LinkSendError
@@ -30,6 +33,13 @@ if TYPE_CHECKING:
     from specd.daemon.front import Front
 
 log = logging.getLogger("specd.front")
+
+
+class Client(Peer, Protocol):
+    """Where a request's frames go (`Peer`), and its refusals (`reject`: an error frame,
+    counted as `error_<code>`)."""
+
+    def reject(self, client_id: int | None, code: str, message: str) -> None: ...
 
 
 class RequestFlow:
@@ -43,6 +53,7 @@ class RequestFlow:
         self.table = front.table
         self.counters = front.counters
         self.tokenizer = tokenizer
+        self.latency = front.metrics.latency
         self.prompts = PromptEncoder(tokenizer, front.config)
         self._next_request_number = 0
 
@@ -51,14 +62,14 @@ class RequestFlow:
 
     # ---- client -> scheduler -------------------------------------------------------------
 
-    def admit(self, connection: Connection, message: m.Generate) -> None:
+    def admit(self, connection: Client, message: m.Generate) -> None:
         """Open the request, or answer the client why not."""
         try:
             self._open(connection, message)
         except RequestError as exc:
             connection.reject(message.id, exc.code, str(exc))
 
-    def _open(self, connection: Connection, message: m.Generate) -> None:
+    def _open(self, connection: Client, message: m.Generate) -> None:
         """Open the request, or raise RequestError; its prompt is tokenized here when
         short, else on the worker thread while the request waits in the table."""
         if self.front.state is State.STARTING:
@@ -135,7 +146,7 @@ class RequestFlow:
             self.end_with_error(request, "deadline_exceeded",
                                 f"not finished within {deadline_s:g} s", abort=True)
 
-    def on_abort(self, connection: Connection, message: m.Abort) -> None:
+    def on_abort(self, connection: Client, message: m.Abort) -> None:
         """A client's abort of its own request: a final frame with `abort`, then an ack."""
         request = self.table.find(connection.connection_id, message.target)
         if request is None:
@@ -153,11 +164,12 @@ class RequestFlow:
         if request is not None:
             self.end_with_error(request, "bad_request", message.message, abort=False)
 
-    def on_connection_closed(self, connection: Connection, reason: str) -> None:
+    def on_connection_closed(self, connection: Peer, reason: str) -> None:
         """The client left: its open requests are aborted."""
         orphans = self.table.of_connection(connection.connection_id)
         for request in orphans:
             self.table.remove(request)
+            self.latency.on_end(request)
         if orphans:
             ids = [r.request_id for r in orphans]
             self.abort_in_scheduler(ids)
@@ -178,6 +190,7 @@ class RequestFlow:
         request.num_output_tokens = delta.num_output_tokens
         if delta.new_token_ids:
             request.num_sampling_steps += 1
+            self.latency.on_output(request, len(delta.new_token_ids))
         logprobs = delta.logprobs if request.want_logprobs else []
         if request.stream:
             if text or delta.new_token_ids:
@@ -217,7 +230,9 @@ class RequestFlow:
         ))
         self.counters[f"finished_{reason}"] += 1
         self.counters["output_tokens"] += delta.num_output_tokens
+        self.counters["prompt_tokens"] += delta.num_prompt_tokens
         self.table.remove(request)
+        self.latency.on_end(request)
         self.front.check_drained()
 
     def end_with_error(self, request: OpenRequest, code: str, message: str,
@@ -228,6 +243,7 @@ class RequestFlow:
         request.peer.send(m.Error(request.client_id, code, message))
         self.counters[f"error_{code}"] += 1
         self.table.remove(request)
+        self.latency.on_end(request)
         self.front.check_drained()
 
     def abort_in_scheduler(self, request_ids: list[str]) -> None:

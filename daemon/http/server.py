@@ -1,0 +1,213 @@
+"""The HTTP API's routes, on aiohttp in the front's event loop.
+
+    POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
+    GET  /v1/models, GET /metrics, GET /health
+
+A generate request is the socket's: its body becomes a `messages.Generate` (`params`),
+which `RequestFlow.admit` opens with an `HttpPeer` in place of a connection; the peer's
+frames become the answer (`responses`). An error before any output (admission, the
+prompt's tokens, the engine's refusal) is an HTTP status with OpenAI's error object; one
+after the stream began is an `error` event before `[DONE]`. A client that disconnects
+aborts its request in the scheduler, as closing a socket connection does (aiohttp
+cancels the handler when its connection is lost). `/metrics` asks the front for the same
+stats reply `specctl stats` gets. Every endpoint but `/health` needs a Bearer key when
+the daemon has `--api-key-file`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+from aiohttp import web
+
+from specd.daemon.http import params
+from specd.daemon.http.errors import HttpError
+from specd.daemon.http.listener import HttpListener
+from specd.daemon.http.metrics import CONTENT_TYPE
+from specd.daemon.http.peer import HttpPeer
+from specd.daemon.http.responses import DONE, Answer, sse
+from specd.daemon.lifecycle import State
+from specd.ipc import messages as m
+from specd.ipc.sampling import MAX_INT64
+from specd.logs import log_event
+
+if TYPE_CHECKING:
+    from specd.daemon.front import Front
+    from specd.daemon.server import Connection
+
+log = logging.getLogger("specd.http")
+
+SHUTDOWN_TIMEOUT_S = 2.0  # handlers left when the front exits have this long to finish
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(body: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def error_response(error: HttpError) -> web.Response:
+    return json_response(error.body(), error.status, error.headers)
+
+
+class HttpServer:
+    """The API on `listener`'s socket for `front`; `start`, then `close` when the front
+    exits."""
+
+    def __init__(self, front: Front, listener: HttpListener) -> None:
+        self.front = front
+        self.listener = listener
+        self.model = front.config.engine.model_path.name  # the name Ready reports too
+        app = web.Application(client_max_size=front.config.max_frame_bytes,
+                              middlewares=[self._guard])
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.SockSite(self._runner, self.listener.sock,
+                            backlog=self.front.config.max_connections)
+        await site.start()
+        host, port = self.listener.address
+        log_event(log, logging.INFO, "http_listening", f"HTTP API on {host}:{port}",
+                  host=host, port=port, api_keys=len(self.listener.api_keys))
+        if not self.listener.api_keys and host not in LOOPBACK_HOSTS:
+            log_event(log, logging.WARNING, "http_open", f"the HTTP API on {host}:{port} "
+                      "has no API key (--api-key-file): anyone who can reach it may use it")
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The API key, and every error as OpenAI's error object."""
+        if request.path != "/health" and not self.listener.is_authorized(
+                request.headers.get("Authorization")):
+            return error_response(HttpError(401, "a valid API key is required (Authorization: "
+                                            "Bearer KEY)", "invalid_api_key"))
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            return error_response(exc)
+        except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413 (body too large)
+            code = "request_too_large" if exc.status == 413 else None
+            return error_response(HttpError(exc.status, exc.text or exc.reason, code))
+
+    # ---- generate ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = params.decode_body(await request.read(), params.CompletionRequest)
+        self._check_model(req.model)
+        generate, options = params.completion_to_generate(req)
+        return await self._generate(request, generate, options)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = params.decode_body(await request.read(), params.ChatCompletionRequest)
+        self._check_model(req.model)
+        generate, options = params.chat_to_generate(req, self._max_model_len())
+        return await self._generate(request, generate, options)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise HttpError(404, f"model {model!r} is not served here; this daemon serves "
+                            f"{self.model!r}", "model_not_found", "model")
+
+    def _max_model_len(self) -> int:
+        ready = self.front.ready
+        return MAX_INT64 if ready is None else int(ready.resolved["max_model_len"])
+
+    async def _generate(self, request: web.Request, generate: m.Generate,
+                        options: params.Options) -> web.StreamResponse:
+        """Admit through the request flow, then answer from the peer's frames; the request
+        is aborted if the handler leaves before it ended (disconnect, cancellation)."""
+        peer = HttpPeer(self.front.new_connection_id(), self.front.counters)
+        answer = Answer(options, self.model, self.front.requests.tokenizer)
+        try:
+            self.front.requests.admit(peer, generate)
+            frames = await peer.receive()
+            if isinstance(frames[0], m.Error):
+                raise _error_of(frames[0])
+            if not options.stream:  # not streamed: one frame, the Final
+                final = frames[0]
+                assert isinstance(final, m.Final), final
+                return json_response(answer.whole(final))
+            return await self._stream(request, peer, answer, frames)
+        finally:
+            self.front.requests.on_connection_closed(peer, "HTTP client gone")
+
+    async def _stream(self, request: web.Request, peer: HttpPeer, answer: Answer,
+                      frames: list[m.ServerMessage]) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            while True:
+                events, is_done = _events(answer, frames)
+                if events:
+                    await response.write(events)
+                if is_done:
+                    break
+                frames = await peer.receive()
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left mid-stream: _generate's finally aborts the request
+        return response
+
+    # ---- the rest --------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        ready = self.front.ready
+        card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "specd",
+                                "created": int(time.time() - (time.monotonic()
+                                                              - self.front.started))}
+        if ready is not None:
+            card["max_model_len"] = int(ready.resolved["max_model_len"])
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        state = self.front.state
+        return json_response({"status": state.value}, 200 if state is State.READY else 503)
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        peer = HttpPeer(self.front.new_connection_id(), self.front.counters)
+        # The stats query `specctl stats` sends, answered to this peer: Control reads only
+        # send, reject and connection_id of a querying connection.
+        self.front.control.handle(cast("Connection", peer), m.StatsQuery(0))
+        reply = (await peer.receive())[0]
+        if not isinstance(reply, m.StatsReply):
+            raise _error_of(reply) if isinstance(reply, m.Error) else HttpError(
+                500, f"unexpected reply {type(reply).__name__}", "internal_error")
+        body = self.front.metrics.render(reply.stats, self.front.state.value)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _error_of(frame: m.Error) -> HttpError:
+    return HttpError.from_specd(frame.code, frame.message)
+
+
+def _events(answer: Answer, frames: list[m.ServerMessage]) -> tuple[bytes, bool]:
+    """The stream's bytes for `frames`, and whether the request ended with them."""
+    events = []
+    for frame in frames:
+        if isinstance(frame, m.Delta):
+            events.append(answer.delta_event(frame))
+        elif isinstance(frame, m.Final):
+            events.append(answer.final_events(frame))
+            return b"".join(events), True
+        elif isinstance(frame, m.Error):
+            events.append(sse(_error_of(frame).body()) + DONE)
+            return b"".join(events), True
+    return b"".join(events), False

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP API of a live daemon (`specd --http`), driven through the
+official `openai` SDK: completions and chat, streamed and not, equal to the socket's greedy
+output; errors as the SDK's typed exceptions; /metrics parsed by prometheus_client and
+moving as requests run; a disconnect aborting its request; 503 while draining. One daemon
+serves the module; the last test drains it."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from daemon_harness import Daemon, model_under_test
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.tokenizer import Tokenizer
+from specd.workers.config import FIXTURE_DIR
+
+KEY = "sk-test-0123456789"
+MAX_PENDING = 4
+MAX_BODY = 65536
+PROMPTS = ["def fib(n):\n", "import os\nimport sys\n"]
+CHAT: list[Any] = [{"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list"}]
+NEW_TOKENS = 12
+MODEL_DIR = Path(model_under_test() or FIXTURE_DIR)
+MODEL = MODEL_DIR.name  # the name the daemon serves
+TOKENIZER = Tokenizer.from_dir(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("http")
+    keys = tmp / "api-keys"
+    keys.write_text(f"# test key\n{KEY}\n")
+    # float32 and no measured auto, as in test_daemon: outputs comparable across requests.
+    d = Daemon(tmp, "--dtype", "float32", "--no-spec-auto-measure", "--http", "127.0.0.1:0",
+               "--api-key-file", str(keys), "--max-pending-requests", str(MAX_PENDING),
+               "--max-frame-bytes", str(MAX_BODY)).wait_ready()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(daemon: Daemon) -> str:
+    record = daemon.events("http_listening")[0]
+    return f"http://{record['host']}:{record['port']}"
+
+
+@pytest.fixture(scope="module")
+def api(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def get(base_url: str, path: str, key: str | None = KEY) -> tuple[int, bytes]:
+    request = urllib.request.Request(base_url + path)
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, body = get(base_url, "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples}
+
+
+def test_models_health_and_keys(daemon: Daemon, base_url: str, api: openai.OpenAI) -> None:
+    models = api.models.list().data
+    assert [model.id for model in models] == [MODEL]
+    assert get(base_url, "/health", key=None) == (200, b'{"status":"ready"}')
+    status, body = get(base_url, "/metrics", key=None)
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_completions_equal_the_sockets_greedy_output(daemon: Daemon,
+                                                     api: openai.OpenAI) -> None:
+    for prompt in PROMPTS:
+        with daemon.client() as client:
+            expected = client.generate(prompt, max_tokens=NEW_TOKENS)
+        stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS,
+                                        temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert chunks[-2].choices[0].finish_reason == expected.finish_reason
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices
+        assert usage.completion_tokens == expected.num_output_tokens
+        assert usage.prompt_tokens == expected.num_prompt_tokens
+        assert usage.model_extra is not None and "speculation" in usage.model_extra
+
+        whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS,
+                                       temperature=0)
+        assert whole.choices[0].text == expected.text
+        assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+        by_ids = api.completions.create(model=MODEL, prompt=TOKENIZER.encode(prompt),
+                                        max_tokens=NEW_TOKENS, temperature=0)
+        assert by_ids.choices[0].text == expected.text
+
+
+def test_chat_streamed_and_not(daemon: Daemon, api: openai.OpenAI) -> None:
+    with daemon.client() as client:
+        expected = client.generate(messages=CHAT, max_tokens=NEW_TOKENS)
+    stream = api.chat.completions.create(model=MODEL, messages=CHAT,
+                                         max_completion_tokens=NEW_TOKENS, temperature=0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    whole = api.chat.completions.create(model=MODEL, messages=CHAT,
+                                        max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+                                        top_logprobs=2)
+    choice = whole.choices[0]
+    assert choice.message.content == expected.text and choice.message.role == "assistant"
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == expected.num_output_tokens
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert whole.usage is not None and whole.usage.completion_tokens == NEW_TOKENS
+
+
+def test_errors_arrive_as_the_sdks_exceptions(api: openai.OpenAI) -> None:
+    def create(**extra: Any) -> Any:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}
+        return api.completions.create(**body)
+
+    for kwargs, param in (({"n": 2}, "n"), ({"temperature": -1.0}, "temperature"),
+                          ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+                          ({"extra_body": {"top_k": "many"}}, "top_k"),
+                          ({"prompt": [1, 2**40]}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            create(**kwargs)
+        assert raised.value.status_code == 400
+        assert isinstance(raised.value.body, dict) and raised.value.body["param"] == param
+        assert param in raised.value.message
+    with pytest.raises(openai.NotFoundError):
+        create(model="gpt-4o")
+    with pytest.raises(openai.APIStatusError) as too_large:
+        create(prompt="x" * MAX_BODY)
+    assert too_large.value.status_code == 413
+    assert isinstance(too_large.value.body, dict)
+    assert too_large.value.body["code"] == "request_too_large"
+    with pytest.raises(openai.BadRequestError) as too_long:  # tokens beyond max_model_len
+        create(prompt=[5] * 4096)
+    assert too_long.value.code == "prompt_too_long"
+
+
+def test_metrics_move_as_requests_run(base_url: str, api: openai.OpenAI) -> None:
+    before = scrape(base_url)
+    api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                           extra_body={"ignore_eos": True})
+    after = scrape(base_url)
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("specd_requests_total", (("outcome", "length"),)) == 1
+    assert moved("specd_generation_tokens_total") == 6
+    assert moved("specd_prompt_tokens_total") > 0
+    assert moved("specd_time_to_first_token_seconds_count") == 1
+    assert moved("specd_inter_token_latency_seconds_count") == 5
+    assert moved("specd_engine_generated_tokens_total") >= 6
+    assert after[("specd_engine_up", ())] == 1 and after[("specd_kv_blocks", ())] > 0
+    assert after[("specd_requests_running", ())] == 0
+    assert sum(after[("specd_speculation_mode", (("mode", mode),))]
+               for mode in ("on", "off", "auto")) == 1
+    assert after[("specd_state", (("state", "ready"),))] == 1
+    assert ("specd_spec_draft_tokens_total", ()) in after
+
+
+def test_overload_is_429_and_a_disconnect_aborts(daemon: Daemon, base_url: str,
+                                                 api: openai.OpenAI) -> None:
+    gone_before = len(daemon.events("client_gone"))
+    streams = [api.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1500,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+               for _ in range(MAX_PENDING)]
+    try:
+        with pytest.raises(openai.RateLimitError) as raised:
+            api.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert raised.value.response.headers["retry-after"] == "1"
+        assert raised.value.code == "overloaded"
+    finally:
+        for stream in streams:
+            stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with daemon.client() as client:
+            stats = client.stats()
+        if stats["open_requests"] == 0 and stats["engine"]["num_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["open_requests"] == 0 and stats["engine"]["num_running"] == 0, stats
+    assert len(daemon.events("client_gone")) - gone_before == MAX_PENDING
+    assert scrape(base_url)[("specd_errors_total", (("code", "overloaded"),))] >= 1
+
+
+def test_draining_answers_503(daemon: Daemon, base_url: str, api: openai.OpenAI) -> None:
+    # Last in the module: the daemon exits after this drain.
+    stream = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24,
+                                    temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    with daemon.client() as client:
+        client.drain(60)
+    assert get(base_url, "/health", key=None) == (503, b'{"status":"draining"}')
+    with pytest.raises(openai.InternalServerError) as raised:
+        api.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert raised.value.status_code == 503 and raised.value.code == "shutting_down"
+    chunks = list(stream)  # the request in flight finishes
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert daemon.wait(60) == 0

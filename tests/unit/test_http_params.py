@@ -1,0 +1,142 @@
+"""OpenAI request bodies -> the socket's Generate (daemon/http/params.py): the mapping of
+every parameter, OpenAI's defaults, and refusals that name the field at fault."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from specd.daemon.http import params
+from specd.daemon.http.errors import HttpError
+from specd.ipc import messages as m
+from specd.ipc.sampling import SamplingParams
+
+MAX_MODEL_LEN = 2048
+
+
+def completion(**body: Any) -> tuple[m.Generate, params.Options]:
+    raw = json.dumps({"model": "fixture", "prompt": "def f():", **body}).encode()
+    return params.completion_to_generate(params.decode_body(raw, params.CompletionRequest))
+
+
+def chat(**body: Any) -> tuple[m.Generate, params.Options]:
+    raw = json.dumps({"model": "fixture", "messages": [{"role": "user", "content": "hi"}],
+                      **body}).encode()
+    request = params.decode_body(raw, params.ChatCompletionRequest)
+    return params.chat_to_generate(request, MAX_MODEL_LEN)
+
+
+def refusal(build: Any, **body: Any) -> HttpError:
+    with pytest.raises(HttpError) as raised:
+        build(**body)
+    assert raised.value.status == 400 and raised.value.code == "bad_request"
+    return raised.value
+
+
+def test_completion_parameters_map_onto_sampling_params() -> None:
+    generate, options = completion(
+        max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop="\n\n", logprobs=2,
+        top_k=5, min_p=0.1, ignore_eos=True, speculative=False, stop_token_ids=[4],
+        stream=True, stream_options={"include_usage": True}, n=1, user="u1")
+    assert generate.prompt == "def f():" and generate.stream
+    assert generate.sampling == SamplingParams(
+        temperature=0.5, top_k=5, top_p=0.9, min_p=0.1, seed=3, max_tokens=7,
+        stop_token_ids=(4,), ignore_eos=True, logprobs=2, stop=("\n\n",), speculative=False)
+    assert options == params.Options(False, True, True, 2)
+
+
+def test_openai_defaults() -> None:
+    generate, options = completion()
+    assert generate.sampling == SamplingParams(temperature=1.0, max_tokens=16)
+    assert not generate.stream and options == params.Options(False, False, False, None)
+    generate, options = chat()
+    assert generate.sampling == SamplingParams(temperature=1.0, max_tokens=MAX_MODEL_LEN)
+    assert options.is_chat and options.num_top_logprobs is None
+
+
+@pytest.mark.parametrize("prompt, fields", [
+    ("x", {"prompt": "x"}),
+    (["x"], {"prompt": "x"}),
+    ([5, 6], {"prompt_token_ids": [5, 6]}),
+    ([[5, 6]], {"prompt_token_ids": [5, 6]}),
+])
+def test_prompt_forms(prompt: Any, fields: dict[str, Any]) -> None:
+    generate, _ = completion(prompt=prompt)
+    assert {k: getattr(generate, k) for k in fields} == fields
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", "b"], [[1], [2]], [1, "a"], [True]])
+def test_one_prompt_per_request(prompt: Any) -> None:
+    assert refusal(completion, prompt=prompt).param == "prompt"
+
+
+def test_chat_fields() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    generate, options = chat(max_tokens=9, max_completion_tokens=5, logprobs=True,
+                             top_logprobs=3, tools=tools, tool_choice="auto",
+                             chat_template_kwargs={"enable_thinking": False},
+                             response_format={"type": "text"}, parallel_tool_calls=False)
+    assert generate.messages == [m.ChatMessage("user", "hi")]
+    assert generate.tools == tools and generate.chat_template_kwargs == {
+        "enable_thinking": False}
+    assert generate.sampling.max_tokens == 5 and generate.sampling.logprobs == 3
+    assert options.num_top_logprobs == 3
+    # logprobs without alternatives still asks the flow for one (the chosen token's own
+    # log-probability comes with it); none are shown.
+    generate, options = chat(logprobs=True)
+    assert generate.sampling.logprobs == 1 and options.num_top_logprobs == 0
+
+
+@pytest.mark.parametrize("build, body, param", [
+    (completion, {"n": 2}, "n"),
+    (chat, {"n": 3}, "n"),
+    (completion, {"frobnicate": 1}, "frobnicate"),
+    (completion, {"max_tokens": "10"}, "max_tokens"),
+    (completion, {"max_tokens": 0}, "max_tokens"),
+    (chat, {"max_completion_tokens": 0}, "max_completion_tokens"),
+    (completion, {"temperature": -1}, "temperature"),
+    (completion, {"top_p": 0}, "top_p"),
+    (completion, {"logprobs": 21}, "logprobs"),
+    (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (chat, {"top_logprobs": 2}, "top_logprobs"),
+    (completion, {"prompt": [1, -2]}, "prompt"),
+    (completion, {"stop": [""]}, "stop"),
+    (completion, {"seed": 2**64}, "seed"),
+    (completion, {"echo": True}, "echo"),
+    (completion, {"suffix": "x"}, "suffix"),
+    (completion, {"best_of": 2}, "best_of"),
+    (completion, {"presence_penalty": 0.5}, "presence_penalty"),
+    (completion, {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (chat, {"tool_choice": "required"}, "tool_choice"),
+    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0]"),
+    (chat, {"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+    (chat, {"messages": [{"role": "user", "content": "x"}] * (m.MAX_MESSAGES + 1)},
+     "messages"),
+])
+def test_refusals_name_the_field(build: Any, body: dict[str, Any], param: str | None) -> None:
+    error = refusal(build, **body)
+    assert error.param == param, error.message
+    if param is not None:
+        assert param.split("[")[0] in error.message
+
+
+def test_model_is_required_and_bodies_must_be_json_objects() -> None:
+    with pytest.raises(HttpError) as raised:
+        params.decode_body(b'{"prompt": "x"}', params.CompletionRequest)
+    assert raised.value.param == "model"
+    for body in (b"{", b"[]", b"\xff"):
+        with pytest.raises(HttpError) as raised:
+            params.decode_body(body, params.CompletionRequest)
+        assert raised.value.status == 400
+
+
+def test_the_generate_passes_the_sockets_own_decoder() -> None:
+    # What the HTTP adapter builds is a request the socket would have accepted as is.
+    generate, _ = chat(max_tokens=4, stop=["a"], top_k=2, seed=-1)
+    frame = msgspec.msgpack.encode(generate)
+    assert msgspec.msgpack.decode(frame, type=m.ClientMessage) == generate

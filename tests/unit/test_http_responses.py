@@ -1,0 +1,140 @@
+"""The flow's frames as OpenAI objects (daemon/http/responses.py), the peer that collects
+them (daemon/http/peer.py) and the error object (daemon/http/errors.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from specd.daemon.http.errors import STATUS_OF_CODE, HttpError
+from specd.daemon.http.params import Options
+from specd.daemon.http.peer import HttpPeer
+from specd.daemon.http.responses import DONE, Answer
+from specd.ipc import messages as m
+from specd.tokenizer import Tokenizer
+from specd.workers.config import FIXTURE_DIR
+
+TOKENIZER = Tokenizer.from_dir(FIXTURE_DIR)
+IDS = TOKENIZER.encode("def add(a, b):", add_special_tokens=False)
+FINAL = m.Final(1, "length", num_prompt_tokens=5, num_output_tokens=3, text="tail",
+                num_cached_tokens=2, num_drafted=4, num_accepted=1, acceptance_length=1.5)
+
+
+def events(data: bytes) -> list[Any]:
+    """The payloads of a server-sent event stream, [DONE] as the string."""
+    assert data.endswith(b"\n\n")
+    out = []
+    for event in data.split(b"\n\n")[:-1]:
+        assert event.startswith(b"data: ")
+        payload = event[len(b"data: "):]
+        out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def test_usage_counts_cached_tokens_and_speculation() -> None:
+    body = Answer(Options(False, False, False, None), "fixture", TOKENIZER).whole(FINAL)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": "tail", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+        "speculation": {"drafted_tokens": 4, "accepted_tokens": 1, "acceptance_length": 1.5}}
+
+
+def test_chat_stream_chunks() -> None:
+    answer = Answer(Options(True, True, True, None), "fixture", TOKENIZER)
+    first = events(answer.delta_event(m.Delta(1, "Hello", [5])))
+    assert first[0]["object"] == "chat.completion.chunk"
+    assert first[0]["choices"] == [{"index": 0, "delta": {"role": "assistant",
+                                                           "content": "Hello"},
+                                    "logprobs": None, "finish_reason": None}]
+    assert first[0]["usage"] is None  # include_usage: null on every chunk but the last
+    assert answer.delta_event(m.Delta(1, "", [6])) == b""  # text lagging its tokens
+    more = events(answer.delta_event(m.Delta(1, " world", [7])))
+    assert more[0]["choices"][0]["delta"] == {"content": " world"}
+    last = events(answer.final_events(FINAL))
+    assert last[0]["choices"][0]["delta"] == {"content": "tail"}
+    assert last[0]["choices"][0]["finish_reason"] == "length"
+    assert last[1]["choices"] == [] and last[1]["usage"]["completion_tokens"] == 3
+    assert last[2] == "[DONE]"
+    assert {e["id"] for e in first + more + last[:2]} == {answer.id}
+
+
+def test_completion_stream_without_usage() -> None:
+    answer = Answer(Options(False, True, False, None), "fixture", TOKENIZER)
+    chunk = events(answer.delta_event(m.Delta(1, "x", [5])))[0]
+    assert "usage" not in chunk and chunk["choices"][0]["text"] == "x"
+    last = answer.final_events(m.Final(1, "stop", 1, 1))
+    assert last.endswith(DONE) and len(events(last)) == 2
+
+
+def logprob(token_id: int) -> m.Logprob:
+    return m.Logprob(-0.5, [token_id, token_id + 1, token_id + 2], [-0.5, -1.0, -2.0])
+
+
+def test_completion_logprobs() -> None:
+    answer = Answer(Options(False, True, False, 2), "fixture", TOKENIZER)
+    tokens = [TOKENIZER.decode([t], skip_special_tokens=False) for t in IDS]
+    first = events(answer.delta_event(m.Delta(1, "", IDS[:2], [logprob(IDS[0]),
+                                                               logprob(IDS[1])])))
+    second = events(answer.delta_event(m.Delta(1, "", IDS[2:3], [logprob(IDS[2])])))
+    lp = first[0]["choices"][0]["logprobs"]
+    assert lp["tokens"] == tokens[:2] and lp["token_logprobs"] == [-0.5, -0.5]
+    assert lp["top_logprobs"][0] == {tokens[0]: -0.5, TOKENIZER.decode([IDS[0] + 1]): -1.0}
+    assert lp["text_offset"] == [0, len(tokens[0])]
+    # offsets continue across chunks
+    assert second[0]["choices"][0]["logprobs"]["text_offset"] == [len(tokens[0] + tokens[1])]
+
+
+def test_chat_logprobs_whole() -> None:
+    answer = Answer(Options(True, False, False, 1), "fixture", TOKENIZER)
+    final = m.Final(1, "length", 5, 1, text="def", token_ids=IDS[:1],
+                    logprobs=[logprob(IDS[0])])
+    body = answer.whole(final)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "def"}
+    content = body["choices"][0]["logprobs"]["content"]
+    token = TOKENIZER.decode([IDS[0]], skip_special_tokens=False)
+    assert content == [{"token": token, "logprob": -0.5, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": token, "logprob": -0.5,
+                                          "bytes": list(token.encode())}]}]
+
+
+@pytest.mark.parametrize("code", sorted(m.ERROR_CODES))
+def test_every_error_code_has_a_status(code: str) -> None:
+    error = HttpError.from_specd(code, "why")
+    assert error.status == STATUS_OF_CODE.get(code, 500)
+    body = error.body()["error"]
+    assert body["code"] == code and body["message"] == "why"
+    assert ("Retry-After" in error.headers) == (error.status == 429)
+
+
+def test_overloaded_is_429_and_draining_503() -> None:
+    assert HttpError.from_specd("overloaded", "").status == 429
+    assert HttpError.from_specd("shutting_down", "").status == 503
+    assert HttpError.from_specd("bad_request", "", "n").body()["error"]["type"] \
+        == "invalid_request_error"
+
+
+def test_peer_batches_frames_and_counts_rejections() -> None:
+    counters: Counter[str] = Counter()
+
+    async def run() -> list[list[m.ServerMessage]]:
+        peer = HttpPeer(7, counters)
+        waiting = asyncio.create_task(peer.receive())
+        await asyncio.sleep(0)
+        peer.send(m.Delta(0, "a"))
+        peer.send(m.Delta(0, "b"))
+        first = await waiting
+        peer.reject(0, "overloaded", "full")
+        return [first, await peer.receive()]
+
+    first, second = asyncio.run(run())
+    assert first == [m.Delta(0, "a"), m.Delta(0, "b")]
+    assert second == [m.Error(0, "overloaded", "full")]
+    assert counters == {"error_overloaded": 1}
