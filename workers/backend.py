@@ -13,7 +13,7 @@ between forwards to do that faster. Three satisfy the interface:
 * `GraphBackend` (graph_backend.py): captured forwards (CUDA graphs, or their synchronous
   CPU stand-in) for plain decode and verify, and captured draft loops.
 
-The runner picks one (`model_runner.make_backend`); nothing outside the backends tests
+The runner picks one (`ModelRunner._make_backend`); nothing outside the backends tests
 which one it has.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.workers.batch import ScheduledBatch
-from specd.workers.models.decoder import DecoderForCausalLM
+from specd.workers.models import CausalLM
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 from specd.workers.step_inputs import StepInputs, prepare_inputs
@@ -94,9 +94,10 @@ class EagerDraftLoop(DraftLoopRunner):
 
 
 class Backend(ABC):
-    """Runs `model` over the paged cache `kv_caches` (its layers' [2, blocks, block_size,
-    kv_heads, head_dim] tensors), leaving the hidden states of `capture_layers` in the aux
-    output (see `ModelRunner`). Built whole by `make_backend`.
+    """Runs `model` over the paged cache `kv_caches` (its layers' tensors of
+    `ModelConfig.kv_layer_shape`: per-head K/V, or MLA's latent rows), leaving the hidden
+    states of `capture_layers` in the aux output (see `ModelRunner`). Built whole by the
+    runner (`ModelRunner._make_backend`).
 
     Contract: `forward` and `forward_step` store the step's K/V in the cache. Whatever a
     backend keeps derived from the cache between forwards is its own business, provided
@@ -106,7 +107,7 @@ class Backend(ABC):
     # Whether steps compile on their first call (warm-up then runs every step kind).
     compiles = False
 
-    def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int],
+    def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int) -> None:
         self.model = model
         self.capture_layers = tuple(capture_layers)

@@ -9,10 +9,16 @@
   and an eager forward of the rest, merged back into the batch's row layout; the draft
   loop compiled too (cpu_draft.py). A compilation that fails is logged once and the steps
   run eagerly (status says why).
+
+The kept K/V and the compiled decode read per-head K and V: they serve the dense decoder.
+A model with a latent cache (MLA, deepseek_v3.py) gathers its latent rows from the cache in
+every step, so for it neither exists; `--cpu-compile` then compiles the draft loop only,
+and says so once at start-up (an ERROR record and status).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -32,25 +38,37 @@ from specd.workers.cpu_decode import CompiledDecode
 from specd.workers.cpu_draft import CompiledDraftLoop
 from specd.workers.decode_stage import DecodeStage
 from specd.workers.layers import pack_linears_for_cpu
+from specd.workers.models import CausalLM
 from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.step_inputs import StepInputs, prepare_inputs
+
+log = logging.getLogger("specd.cpu_backend")
 
 
 class CpuBackend(Backend):
     """The CPU paths (see module docstring). compile: `--cpu-compile`; verify_len: the rows
     per sequence of the speculative worker's verify steps (compiled beside decode), or
-    None without a head."""
+    None without a head. `stage` (the kept decode K/V) is None for a latent-cache model."""
 
-    def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int],
+    def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, compile: bool,
                  verify_len: int | None) -> None:
         super().__init__(model, capture_layers, kv_caches, block_size)
         # With compile each packed linear also keeps its plain weight for the compiled steps.
         self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile)
-        self.stage = DecodeStage(block_size)
-        self.compiled_decode = (CompiledDecode(model, self.capture_layers, verify_len)
-                                if compile else None)
+        # The dense-K/V paths: for the dense decoder only (module docstring).
+        dense = model if isinstance(model, DecoderForCausalLM) else None
+        self.stage = DecodeStage(block_size) if dense is not None else None
+        self.compiled_decode = (CompiledDecode(dense, self.capture_layers, verify_len)
+                                if compile and dense is not None else None)
+        self.no_compiled_decode = ""  # why --cpu-compile compiles no decode, for status
+        if compile and dense is None:
+            self.no_compiled_decode = (f"{type(model).__name__} has a latent KV cache; the "
+                                       "compiled decode reads dense K/V")
+            log.error("compiled CPU decode unavailable; decode and verify run eagerly, the "
+                      "draft loop is compiled", extra={"event": "cpu_compile_unavailable",
+                                                       "reason": self.no_compiled_decode})
         self.compiles = compile
         self.num_split_steps = 0  # plain steps run as compiled decode + the rest (figures)
 
@@ -67,21 +85,24 @@ class CpuBackend(Backend):
 
     def forward(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
         if not any(g.stage_plan is not None for g in inputs.meta.groups):
-            self.stage.invalidate()  # this forward writes K/V the kept copy would miss
+            self.kv_changed()  # this forward writes K/V the kept copy would miss
         try:
             return self._run(input_ids, inputs)
         except BaseException:
-            self.stage.invalidate()  # some layers may have appended, others not
+            self.kv_changed()  # some layers may have appended, others not
             raise
 
     def kv_changed(self) -> None:
-        self.stage.invalidate()
+        if self.stage is not None:
+            self.stage.invalidate()
 
     def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
         return CompiledDraftLoop(loop) if self.compiles else EagerDraftLoop(loop)
 
     def status(self) -> str:
+        if self.no_compiled_decode:
+            return f"cpu compiled decode off ({self.no_compiled_decode})"
         return "off" if self.compiled_decode is None else self.compiled_decode.status()
 
     def _run(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
@@ -103,7 +124,7 @@ class CpuBackend(Backend):
         sequences such a step took ~2.8x an appending compiled decode step, split ~2.5x
         (most of it the eager prefill, ~21 ms for ~110 tokens)."""
         compiled = self.compiled_decode
-        if compiled is None or compiled.error is not None:
+        if compiled is None or compiled.error is not None or self.stage is None:
             return None
         decode = [i for i, s in enumerate(batch.scheduled) if s.num_new_tokens == 1]
         if not decode or len(decode) == len(batch.scheduled):
@@ -141,7 +162,7 @@ class CpuBackend(Backend):
                 sample_seqs += inputs.sample_seqs
                 sample_ids += inputs.sample_ids
         except BaseException:
-            self.stage.invalidate()  # some layers may have appended, others not
+            self.kv_changed()  # some layers may have appended, others not
             raise
         self.num_split_steps += 1
         return StepForward(

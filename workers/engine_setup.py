@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig, EngineResolved
+from specd.workers.kv_cache import kv_bytes_per_token
 from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
@@ -59,6 +60,7 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         graphs=graphs_status(runner, spec),
         graph_memory_bytes=(runner.backend.memory_bytes
                             + (0 if spec is None else spec.drafter.loop_runner.memory_bytes)),
+        kv_bytes_per_token=kv_bytes_per_token(core.model_config, runner.dtype),
     )
 
 

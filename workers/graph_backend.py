@@ -22,7 +22,7 @@ from specd.workers.backend import (
     Outputs,
 )
 from specd.workers.graphs import GraphRunner, GraphShape, capture_sizes
-from specd.workers.models.decoder import DecoderForCausalLM
+from specd.workers.models import CausalLM
 from specd.workers.spec.draft_graphs import DraftGraphs, DraftInputs, DraftOutputs, prefix_widths
 from specd.workers.step_inputs import StepInputs
 
@@ -30,7 +30,7 @@ from specd.workers.step_inputs import StepInputs
 class GraphBackend(Backend):
     """Replays `graphs` (captured over `kv_caches`, or empty after a failed capture)."""
 
-    def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int],
+    def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, graphs: GraphRunner) -> None:
         super().__init__(model, capture_layers, kv_caches, block_size)
         self.graphs = graphs
@@ -103,7 +103,7 @@ def largest_shapes(shapes: Sequence[GraphShape]) -> tuple[GraphShape, ...]:
     return tuple(max(s for s in shapes if (s.query_len, s.tree_mask) == k) for k in kinds)
 
 
-def capture_graphs(model: DecoderForCausalLM, capture_layers: Sequence[int],
+def capture_graphs(model: CausalLM, capture_layers: Sequence[int],
                    shapes: Sequence[GraphShape], kv_caches: list[torch.Tensor],
                    block_size: int, pad_block: int, longest_sequence: int) -> GraphRunner:
     """Graphs of the model over `kv_caches` (captured, or empty with `error` set; see

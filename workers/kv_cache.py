@@ -1,8 +1,11 @@
 """The paged KV cache: how many blocks fit a memory budget, and the per-layer tensors.
 
-Layout (shared/contracts): one tensor per layer, `[2, num_blocks, block_size, num_kv_heads,
-head_dim]`, K at [0] and V at [1]. Block ids index dim 1 in every layer alike, so one block
-table serves all layers.
+Layout: one tensor per layer of `ModelConfig.kv_layer_shape(num_blocks, block_size)`: for
+the dense decoders `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K at [0], V at
+[1]), for MLA `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (one latent row per
+token, shared by all heads). Block ids index the block axis of every layer alike, so one
+block table serves all layers. A token takes `ModelConfig.kv_elements_per_token` elements
+over all layers; a block, that times `block_size`.
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ from specd.workers.config import EngineConfig
 from specd.workers.model_config import ModelConfig
 
 
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token's K/V (or latent) takes across all layers, in `dtype`."""
+    return cfg.kv_elements_per_token * element_bytes(dtype)
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+    """Bytes one block takes across all layers."""
+    return kv_bytes_per_token(cfg, dtype) * block_size
 
 
 def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
@@ -27,9 +38,8 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
     K/V), in `dtype`, paid from the same budget."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    element = torch.empty((), dtype=dtype).element_size()
     block_bytes = (kv_block_bytes(cfg, config.block_size, dtype)
-                   + extra_elements_per_token * config.block_size * element)
+                   + extra_elements_per_token * config.block_size * element_bytes(dtype))
     count = (config.kv_cache_memory_bytes - reserved_bytes) // block_bytes
     if count < 1:
         raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV "
@@ -41,10 +51,10 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer.
+    """One zeroed `cfg.kv_layer_shape(num_blocks, block_size)` tensor per layer.
 
     Zeroed rather than empty so that padded key slots read by the batched CPU attention (and
     masked out there) never hold NaN bit patterns, which a masked softmax would still spread.
     """
-    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = cfg.kv_layer_shape(num_blocks, block_size)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

@@ -210,12 +210,11 @@ class ModelRunner:
         return self.resolve_placeholders(inputs.input_ids)
 
     def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy the K/V of cache slots `src_slots` to `dst_slots` (int64 [M] each, on the
-        device) in every layer: speculative KV compaction."""
+        """Copy the cache entries (K/V, or MLA's latent rows) of slots `src_slots` to
+        `dst_slots` (int64 [M] each, on the device) in every layer: speculative KV
+        compaction. The model knows its cache's layout (`copy_kv_slots`)."""
         self.backend.kv_changed()
-        for layer in self.kv_caches:
-            flat = layer.view(2, -1, *layer.shape[-2:])  # [2, slots, kv_heads, d]
-            flat[:, dst_slots] = flat[:, src_slots]
+        self.model.copy_kv_slots(self.kv_caches, src_slots, dst_slots)
 
     def invalidate_decode_stage(self) -> None:
         """Drop whatever the backend keeps derived from the KV cache (the CPU's kept decode

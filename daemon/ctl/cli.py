@@ -188,7 +188,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"batch        {engine.get('num_running', '?')} running, "
             f"{engine.get('num_waiting', '?')} waiting",
             f"kv blocks    {engine.get('num_free_kv_blocks', '?')} free of "
-            f"{engine.get('num_kv_blocks', '?')}",
+            f"{engine.get('num_kv_blocks', '?')}, "
+            f"{reply.resolved.get('kv_bytes_per_token', '?')} bytes per token",
             f"speculation  mode {engine.get('spec_mode', '?')}, active "
             f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
             f"accepted {engine.get('num_accepted', 0)}",

@@ -2,8 +2,10 @@
 
 The Llama family (Llama, Mistral, Qwen2, Qwen3) is served by the one dense decoder;
 DeepSeek-V3 / Kimi-K2 by the MLA + MoE model. Both classes share one interface (`forward`,
-`embed_tokens`, `compute_logits`, `config`, `model.layers`); `CausalLM` names either. A new
-family adds a module here, a line to `MODEL_CLASSES` and its `STACKED_PARAMS`.
+`embed_tokens`, `compute_logits`, `copy_kv_slots`, `config`, `model.layers`) over paged
+cache layers of `ModelConfig.kv_layer_shape` (per-head K/V, or one latent row per token);
+`CausalLM` names either. A new family adds a module here, a line to `MODEL_CLASSES` and its
+`STACKED_PARAMS`.
 """
 
 from __future__ import annotations

@@ -146,6 +146,15 @@ class DecoderForCausalLM(nn.Module):
         """input_ids [N] -> embeddings [N, hidden]."""
         return self.model.embed_tokens(input_ids)
 
+    @staticmethod
+    def copy_kv_slots(kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor) -> None:
+        """Copy the K and V of cache slots `src_slots` to `dst_slots` (int64 [M] each, slot =
+        block * block_size + offset) in every layer [2, blocks, block_size, kv_heads, d]."""
+        for layer in kv_caches:
+            flat = layer.view(2, -1, *layer.shape[-2:])  # [2, slots, kv_heads, d]
+            flat[:, dst_slots] = flat[:, src_slots]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] (after the final norm) -> logits [M, vocab]."""
         if self.lm_head is None:

@@ -142,7 +142,8 @@ def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[
     """The target hidden states the head reads, in `output_hidden_states` numbering.
 
     The config's ids when it names them, else the reference default (2, L // 2, L - 3).
-    Valid ids are 0 (the embedding output) .. L (the last block's output, before the norm).
+    Valid ids are 0 (the embedding output) .. L (the last block's output, before the norm),
+    strictly ascending (the default is, from L = 7 on); the same rule for dense and MoE targets.
     """
     ids = config.aux_layer_ids
     if ids is None:
@@ -150,6 +151,9 @@ def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[
     if any(not 0 <= i <= num_target_layers for i in ids):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} out of range for a target "
                          f"of {num_target_layers} layers (valid: 0..{num_target_layers})")
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} are not strictly "
+                         f"ascending (name them for a target of {num_target_layers} layers)")
     return tuple(ids)
 
 
