@@ -8,7 +8,10 @@ same difference per engine step). Greedy, `ignore_eos`, fixed `--max-tokens`. Th
 started here on a private socket unless `--socket` names a running one. Prints a table
 and writes JSON.
 
-    python tools/bench_daemon.py --out bench_out/bench_daemon.json
+    python tools/bench_daemon.py --out bench_out/bench_daemon.json [--device cuda]
+
+`--device` serves both paths there (default: cuda when available, else cpu). The JSON is
+rewritten after each concurrency, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -96,11 +99,18 @@ class DaemonProcess:
         self.log.close()
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory [default: fixture]")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default=_default_device(), help="cpu or cuda[:N] "
+                        "(default: cuda when available, else cpu)")
     parser.add_argument("--socket", type=Path, default=None, help="use this running daemon")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -123,7 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         daemon = DaemonProcess(args.model, ["--device", args.device])
         daemon.wait_ready()
         socket_path = daemon.socket_path
-    rows = []
+    rows: list[dict[str, Any]] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model or "fixture", "device": args.device,
+              "torch_threads": args.torch_threads,
+              "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows}
     try:
         for concurrency in args.concurrency:
             prompts = load_prompts(concurrency)
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 "added_latency_per_token_us":
                     1e6 * (best_daemon["wall_s"] - best_engine["wall_s"]) / steps,
             })
+            args.out.write_text(json.dumps(result, indent=2))
     finally:
         if daemon is not None:
             daemon.stop()
@@ -151,11 +167,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['concurrency']:>11} {row['engine']['tokens_per_s']:>13.1f} "
               f"{row['daemon']['tokens_per_s']:>13.1f} {row['throughput_ratio']:>6.3f} "
               f"{row['added_latency_per_token_us']:>15.0f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"model": args.model or "fixture", "device": args.device,
-              "torch_threads": args.torch_threads,
-              "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

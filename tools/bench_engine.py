@@ -6,7 +6,11 @@ prompts at batch 1. The batch-1 figures of both systems are medians over `--roun
 alternating rounds (this class of machine drifts by tens of percent within minutes). Prints
 a table and writes JSON.
 
-    python tools/bench_engine.py --out bench_out/bench_engine.json
+    python tools/bench_engine.py --out bench_out/bench_engine.json [--device cuda]
+
+`--device` runs both systems there (default: cuda when available, else cpu). The JSON is
+written after the batch-1 rounds and after each concurrency, so a run cut short keeps what
+it measured.
 """
 
 from __future__ import annotations
@@ -45,18 +49,20 @@ class TransformersBaseline:
     """transformers' generate() at batch 1, one prompt after another, greedy, in `dtype`
     ("auto" = the checkpoint's, transformers' own default). Loaded once, run per round."""
 
-    def __init__(self, model_dir: Path, dtype: str) -> None:
+    def __init__(self, model_dir: Path, dtype: str, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         hf_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).eval()
+        torch.nn.Module.to(self.model, self.device)
 
     def run(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
         tokens = 0
         t0 = time.perf_counter()
         for prompt in prompts:
-            ids = self.tok(prompt, return_tensors="pt").input_ids
+            ids = self.tok(prompt, return_tensors="pt").input_ids.to(self.device)
             with torch.no_grad():
                 out = self.model.generate(ids, max_new_tokens=max_tokens,
                                           min_new_tokens=max_tokens, do_sample=False,
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the fixture)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda[:N], for both systems")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--batch1-prompts", type=int, default=4)
@@ -98,11 +106,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
 
-    engine = specd.Engine(args.model, spec_mode="off", dtype=args.dtype,
+    engine = specd.Engine(args.model, spec_mode="off", dtype=args.dtype, device=args.device,
                           cpu_compile=args.cpu_compile)
     engine.core.warmup()
     batch1_prompts = load_prompts(args.batch1_prompts)
-    hf_model = TransformersBaseline(Path(args.model) if args.model else FIXTURE_DIR, args.dtype)
+    hf_model = TransformersBaseline(Path(args.model) if args.model else FIXTURE_DIR, args.dtype,
+                                    args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial: dict[str, Any] = {"device": args.device, "args": vars(args), "partial": True}
     # Batch 1 of both systems in alternating rounds, each figure the median over rounds:
     # this VM's speed drifts by tens of percent within minutes, and alternating exposes
     # both systems to the same drift instead of giving one a quiet minute.
@@ -116,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {i + 1}/{args.rounds}: specd {ours['tokens_per_s']:.1f} tok/s, "
               f"transformers {theirs['tokens_per_s']:.1f} tok/s "
               f"({rounds[-1]['ratio']:.2f}x)", flush=True)
+        _save(out, {**partial, "batch1_rounds": rounds})
     b1 = statistics.median(r["specd_tokens_per_s"] for r in rounds)
     hf_b1 = statistics.median(r["transformers_tokens_per_s"] for r in rounds)
     rows: list[dict[str, Any]] = [
@@ -124,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in (int(x) for x in args.concurrency.split(",")):
         r = bench_specd(engine, load_prompts(n), args.max_tokens)
         rows.append({"system": "specd", "mode": f"{n} concurrent", **r})
+        _save(out, {**partial, "batch1_rounds": rounds, "rows": rows})
     rows.append({"system": "transformers generate()", "mode": "batch 1 (sequential)",
                  "concurrency": 1, "output_tokens": theirs["output_tokens"],
                  "tokens_per_s": hf_b1})
@@ -145,13 +159,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"specd dtype: {engine.core.resolved.dtype}; graphs/compile: "
           f"{engine.core.resolved.graphs}")
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "torch_threads": torch.get_num_threads()},
+                          "torch_threads": torch.get_num_threads(),
+                          "device": (torch.cuda.get_device_name(torch.device(args.device))
+                                     if args.device.startswith("cuda") else "cpu")},
               "specd_dtype": engine.core.resolved.dtype,
               "specd_graphs": engine.core.resolved.graphs,
               "args": vars(args), "rows": rows, "batch1_rounds": rounds, "summary": summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    _save(out, result)
     print(f"wrote {args.out}")
+
+
+def _save(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,29 @@ latents already gathered contiguous ([q_latent | q_pe] against the 576-wide rows
 512 values): time, achieved bandwidth (latent bytes over time) and TFLOP/s. No target is set
 yet; the GPU figures are owed. `--mla-only` runs this part alone.
 
+Against the limit (issue 24): the run first measures the device's copy bandwidth (a Triton
+copy kernel and torch's `copy_` over 1 GiB, read + written bytes over time; the larger is the
+ceiling), and every row also reports its achieved bandwidth as a share of that measured
+ceiling (`*_bw_share`) beside the share of the nominal 4.8 TB/s (`*_bw_frac`). The GEMM runs
+at group sizes 32 and 128 (`--group-sizes`), on Llama-3.1-8B's fused qkv and gate_up too.
+`host` times a batch-1 plain decode step of the engine (fixture model, overlap off, CUDA
+graphs off and on; tools/bench_overlap.py's measurement) and reports the share of the step
+the host is busy. `--parts` picks and orders the parts (default: bandwidth, gemm, tree, mla,
+host); the JSON is rewritten after each.
+
+Fused INT4 MoE (issue 19; `moe` part, last by default): kernels/moe_w4a16.py's
+`fused_moe_w4a16` at Kimi-K2 shapes (hidden 7168, expert intermediate 2048, 384 experts, top 8,
+group 32, uniform random routing) for 1 to 64 tokens: the whole call (torch alignment, two
+launches, moe_sum) eagerly and replayed as a CUDA graph, eagerly with every weight tensor
+stored output-contiguous within its expert (`moe_nmajor_us`: the layout a loader may choose for
+coalesced reads; the checkpoint's is K-contiguous), the alignment alone (the one-program
+Triton version the call uses, and the torch version, `align_torch_us`), and the bf16
+baseline, workers/moe.py's `experts_forward` on bf16 weights of the same shapes (one matmul
+pair per touched expert). Bytes are those of the experts the batch touches (INT4 weights and
+scales, activations and the two intermediate buffers); `moe_floor_us` is those bytes at the
+measured copy bandwidth (nominal when unmeasured) and `bf16_floor_us` the bf16 weights' bytes
+likewise, the best a bf16 kernel could do. No target is set yet; the GPU figures are owed.
+
 Every configuration is first checked against its pure-torch reference, so a wrong kernel is
 never timed. Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
 """
@@ -34,6 +57,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
 GEMM_SHAPES = {  # name: (K = in_features, N = out_features)
@@ -42,7 +67,16 @@ GEMM_SHAPES = {  # name: (K = in_features, N = out_features)
     "llama3-8b down 14336x4096": (14336, 4096),
     "kimi-k2 expert gate/up 7168x2048": (7168, 2048),
     "kimi-k2 expert down 2048x7168": (2048, 7168),
+    # Llama-3.1-8B's layers as specd runs them, q/k/v and gate/up fused
+    "llama3.1-8b qkv fused 4096x6144": (4096, 6144),
+    "llama3.1-8b gate_up fused 4096x28672": (4096, 28672),
 }
+GEMM_GROUP_SIZES = (32, 128)
+COPY_BYTES = 1 << 30  # per buffer: well past the 60 MB L2
+# The device's measured copy bandwidth (bytes read + written per second), set by
+# measure_bandwidth(); None until then (the *_bw_share fields are then left out).
+MEASURED_BYTES_PER_S: float | None = None
+PARTS = ("bandwidth", "gemm", "tree", "mla", "host", "moe")
 GEMM_M = (1, 2, 4, 8, 16, 32, 64, 128)
 TREE_T = (1, 4, 8, 16, 64)
 TREE_PREFIX = (512, 2048, 8192, 32768)
@@ -53,6 +87,27 @@ MLA_T = (1, 4, 16, 64)
 MLA_CONTEXT = (1024, 8192, 32768)
 MLA_RANK, MLA_ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim
 MLA_SCALE = 0.13086  # Kimi-K2: 192^-0.5 * YaRN mscale(32)^2
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K = 7168, 2048, 384, 8  # Kimi-K2, one GPU
+MOE_M = (1, 2, 4, 8, 16, 32, 64)
+MOE_RSF = 2.827  # routed_scaling_factor, folded into the router weights as route() does
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n]: the streaming copy the bandwidth ceiling is measured with."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+COPY_BLOCK = 8192  # elements per program (32 KiB of int32)
+
+
+def triton_copy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Copy contiguous src into dst with `_copy_kernel`."""
+    n = src.numel()
+    _copy_kernel[(triton.cdiv(n, COPY_BLOCK),)](src, dst, n, BLOCK=COPY_BLOCK, num_warps=8)
+    return dst
 
 
 def bench_ms(fn: Any) -> float:
@@ -61,38 +116,70 @@ def bench_ms(fn: Any) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def _gemm_operands(k: int, n: int, m: int) -> tuple[torch.Tensor, ...]:
+def measure_bandwidth(nbytes: int = COPY_BYTES) -> dict[str, float]:
+    """Copy bandwidth of the device: `_copy_kernel` and torch's copy_ over `nbytes`-byte
+    buffers, 2 * nbytes (read + written) over the median time; sets MEASURED_BYTES_PER_S to
+    the larger."""
+    global MEASURED_BYTES_PER_S
+    src = torch.ones(nbytes // 4, dtype=torch.int32, device=DEVICE)
+    dst = torch.empty_like(src)
+    triton_copy(src, dst)
+    if not torch.equal(src, dst):
+        raise AssertionError("copy kernel: destination differs from source")
+    t_triton = bench_ms(lambda: triton_copy(src, dst))
+    t_torch = bench_ms(lambda: dst.copy_(src))
+    triton_bps, torch_bps = 2 * nbytes / (t_triton * 1e-3), 2 * nbytes / (t_torch * 1e-3)
+    MEASURED_BYTES_PER_S = max(triton_bps, torch_bps)
+    return {"bytes": nbytes, "triton_copy_bytes_per_s": triton_bps,
+            "torch_copy_bytes_per_s": torch_bps, "measured_bytes_per_s": MEASURED_BYTES_PER_S,
+            "share_of_nominal": MEASURED_BYTES_PER_S / PEAK_BYTES_PER_S}
+
+
+def _bw_share(nbytes: float, ms: float) -> float | None:
+    """Achieved bytes per second as a share of the measured copy bandwidth (None unmeasured)."""
+    if MEASURED_BYTES_PER_S is None:
+        return None
+    return nbytes / (ms * 1e-3) / MEASURED_BYTES_PER_S
+
+
+def _gemm_operands(k: int, n: int, m: int,
+                   group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
     """(x [m, k], bf16 weight [n, k], packed and scale as the checkpoint stores them)."""
     from specd.workers.quantization import quantize_rtn
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     weight = torch.randn(n, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
-    packed, scale = quantize_rtn(weight, GROUP_SIZE)
+    packed, scale = quantize_rtn(weight, group_size)
     x = torch.randn(m, k, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     return x, weight, packed, scale
 
 
-def bench_gemm(k: int, n: int, m: int) -> dict[str, float | str]:
+def bench_gemm(k: int, n: int, m: int,
+               group_size: int = GROUP_SIZE) -> dict[str, float | str | None]:
     """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
     checkpoint's K-contiguous layout passed as is."""
     from specd.kernels.common import device_num_sms
     from specd.kernels.int4_gemm import choose_config, column_major, int4_gemm, int4_gemm_ref
 
-    x, weight, packed_k, scale_k = _gemm_operands(k, n, m)
+    x, weight, packed_k, scale_k = _gemm_operands(k, n, m, group_size)
     packed, scale = column_major(packed_k), column_major(scale_k)
-    ref = int4_gemm_ref(x, packed_k, scale_k, GROUP_SIZE)
+    ref = int4_gemm_ref(x, packed_k, scale_k, group_size)
     for p, s in ((packed, scale), (packed_k, scale_k)):
-        torch.testing.assert_close(int4_gemm(x, p, s, GROUP_SIZE).float(), ref.float(),
+        torch.testing.assert_close(int4_gemm(x, p, s, group_size).float(), ref.float(),
                                    rtol=2**-7, atol=1e-2)
-    t_int4 = bench_ms(lambda: int4_gemm(x, packed, scale, GROUP_SIZE))
-    t_kmajor = bench_ms(lambda: int4_gemm(x, packed_k, scale_k, GROUP_SIZE))
+    t_int4 = bench_ms(lambda: int4_gemm(x, packed, scale, group_size))
+    t_kmajor = bench_ms(lambda: int4_gemm(x, packed_k, scale_k, group_size))
     t_bf16 = bench_ms(lambda: torch.matmul(x, weight.t()))
     int4_bytes = n * k // 2 + scale.numel() * 2 + (m * k + m * n) * 2
-    cfg = choose_config(m, n, k, GROUP_SIZE, device_num_sms(x.device))
-    return {"m": m, "k": k, "n": n, "int4_us": t_int4 * 1e3, "int4_kmajor_us": t_kmajor * 1e3,
+    bf16_bytes = (n * k + m * k + m * n) * 2
+    cfg = choose_config(m, n, k, group_size, device_num_sms(x.device))
+    return {"m": m, "k": k, "n": n, "group_size": group_size, "int4_us": t_int4 * 1e3,
+            "int4_kmajor_us": t_kmajor * 1e3,
             "bf16_us": t_bf16 * 1e3, "speedup": t_bf16 / t_int4,
             "int4_bw_frac": int4_bytes / (t_int4 * 1e-3) / PEAK_BYTES_PER_S,
-            "bf16_bw_frac": (n * k + m * k + m * n) * 2 / (t_bf16 * 1e-3) / PEAK_BYTES_PER_S,
+            "bf16_bw_frac": bf16_bytes / (t_bf16 * 1e-3) / PEAK_BYTES_PER_S,
+            "int4_bw_share": _bw_share(int4_bytes, t_int4),
+            "bf16_bw_share": _bw_share(bf16_bytes, t_bf16),
             "config": _config_name(cfg)}
 
 
@@ -145,7 +232,7 @@ def _tree_case(t: int, prefix: int, batch: int = 4, heads: int = 32, kv_heads: i
             "block_size": block_size}
 
 
-def bench_tree(t: int, prefix: int) -> dict[str, float]:
+def bench_tree(t: int, prefix: int) -> dict[str, float | None]:
     from specd.kernels.tree_attention import tree_attention, tree_attention_ref
 
     c = _tree_case(t, prefix)
@@ -172,7 +259,8 @@ def bench_tree(t: int, prefix: int) -> dict[str, float]:
     kv_bytes = 2 * batch * seq * heads_kv * dim * 2
     return {"t": t, "prefix": prefix, "batch": batch, "tree_us": t_tree * 1e3,
             "sdpa_us": t_sdpa * 1e3, "speedup": t_sdpa / t_tree,
-            "tree_bw_frac": kv_bytes / (t_tree * 1e-3) / PEAK_BYTES_PER_S}
+            "tree_bw_frac": kv_bytes / (t_tree * 1e-3) / PEAK_BYTES_PER_S,
+            "tree_bw_share": _bw_share(kv_bytes, t_tree)}
 
 
 def _binary_tree_masks(t: int) -> list[int]:
@@ -218,7 +306,7 @@ def check_mla(c: dict[str, Any]) -> None:
                                rtol=2**-7, atol=2e-2)
 
 
-def bench_mla(heads: int, t: int, context: int) -> dict[str, float]:
+def bench_mla(heads: int, t: int, context: int) -> dict[str, float | None]:
     from specd.kernels.mla_attention import mla_attention
 
     c = mla_case(heads, t, context)
@@ -242,6 +330,7 @@ def bench_mla(heads: int, t: int, context: int) -> dict[str, float]:
     return {"heads": heads, "t": t, "context": context, "batch": batch,
             "mla_us": t_mla * 1e3, "sdpa_us": t_sdpa * 1e3, "speedup": t_sdpa / t_mla,
             "mla_bw_frac": latent_bytes / (t_mla * 1e-3) / PEAK_BYTES_PER_S,
+            "mla_bw_share": _bw_share(latent_bytes, t_mla),
             "mla_tflops": flops / (t_mla * 1e-3) / 1e12}
 
 
@@ -255,7 +344,197 @@ def run_mla(result: dict[str, Any], out: Path, quick: bool) -> None:
         _save(out, result)
     print(_table(result["mla_attention"], ["heads", "t", "context", "batch", "mla_us",
                                            "sdpa_us", "speedup", "mla_bw_frac",
-                                           "mla_tflops"]), flush=True)
+                                           "mla_bw_share", "mla_tflops"]), flush=True)
+
+
+def moe_weights(group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
+    """(Int4ExpertWeights, ExpertWeights in bf16) at Kimi-K2's shapes: random packed words
+    (every nibble uniform), scales in [0.001, 0.003); the bf16 baseline's own random
+    weights (timing only: 34 GB beside the INT4 9.5 GB)."""
+    from specd.kernels.moe_w4a16 import Int4ExpertWeights
+    from specd.workers.moe import ExpertWeights
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+
+    def packed(n: int, k: int) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31 - 1, (e, n, k // 8), dtype=torch.int32,
+                             device=DEVICE, generator=gen)
+
+    def scale(n: int, k: int) -> torch.Tensor:
+        return (torch.rand(e, n, k // group_size, device=DEVICE, generator=gen) * 0.002
+                + 0.001).to(torch.bfloat16)
+
+    int4 = Int4ExpertWeights(packed(2 * i, h), scale(2 * i, h), packed(h, i), scale(h, i),
+                             group_size)
+    dense = ExpertWeights(
+        torch.randn(e, 2 * i, h, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02,
+        torch.randn(e, h, i, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02)
+    return int4, dense
+
+
+def n_major_experts(int4: Any) -> Any:
+    """The same Int4ExpertWeights with each tensor stored output-contiguous per expert."""
+    from specd.kernels.moe_w4a16 import Int4ExpertWeights
+
+    fields = {name: t.transpose(1, 2).contiguous().transpose(1, 2)
+              for name, t in int4.tensors().items()}
+    return Int4ExpertWeights(group_size=int4.group_size, **fields)
+
+
+def _moe_routing(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform top-8 of 384 per token (distinct experts), weights normalized and scaled."""
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    scores = torch.rand(m, MOE_EXPERTS, device=DEVICE, generator=gen)
+    weights, ids = scores.topk(MOE_TOP_K, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True) * MOE_RSF
+
+
+def _graph_ms(fn: Any) -> tuple[float | None, str | None]:
+    """Median time of `fn` replayed from a CUDA graph, or (None, why) if it cannot be
+    captured."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")), None
+    except Exception as exc:  # noqa: BLE001 - reported in the row, the eager time stands
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]:
+    """The fused INT4 MoE for m tokens against the bf16 `experts_forward` (see docstring)."""
+    from specd.kernels.moe_w4a16 import (
+        choose_moe_config,
+        fused_moe_w4a16,
+        fused_moe_w4a16_ref,
+        moe_align_block_size,
+        moe_align_block_size_ref,
+    )
+    from specd.workers.moe import experts_forward
+
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    x = torch.randn(m, MOE_HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    ids, weights = _moe_routing(m)
+    out = fused_moe_w4a16(x, ids, weights, int4)
+    ref = fused_moe_w4a16_ref(x, ids, weights, int4)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7,
+                               atol=2**-7 * float(ref.float().abs().max()))
+    cfg = choose_moe_config(m * MOE_TOP_K, MOE_EXPERTS, MOE_INTER, MOE_HIDDEN)
+    t_moe = bench_ms(lambda: fused_moe_w4a16(x, ids, weights, int4))
+    t_graph, graph_error = _graph_ms(lambda: fused_moe_w4a16(x, ids, weights, int4))
+    torch.testing.assert_close(fused_moe_w4a16(x, ids, weights, int4_nmajor), out)
+    t_nmajor = bench_ms(lambda: fused_moe_w4a16(x, ids, weights, int4_nmajor))
+    t_align = bench_ms(lambda: moe_align_block_size(ids, cfg.block_m, MOE_EXPERTS))
+    t_align_torch = bench_ms(lambda: moe_align_block_size_ref(ids, cfg.block_m, MOE_EXPERTS))
+    t_bf16 = bench_ms(lambda: experts_forward(x, ids, weights, dense))
+    touched = int(ids.unique().numel())
+    hi = MOE_HIDDEN * MOE_INTER
+    pairs = m * MOE_TOP_K
+    buffers = (2 * m * MOE_HIDDEN + 2 * pairs * (MOE_INTER + MOE_HIDDEN)) * 2  # x, out, h, y
+    int4_bytes = touched * (3 * hi // 2 + 3 * hi // GROUP_SIZE * 2) + buffers
+    bf16_bytes = touched * 3 * hi * 2 + buffers
+    bps = MEASURED_BYTES_PER_S or PEAK_BYTES_PER_S
+    return {"m": m, "experts_touched": touched, "moe_us": t_moe * 1e3,
+            "moe_graph_us": None if t_graph is None else t_graph * 1e3,
+            "graph_error": graph_error, "moe_nmajor_us": t_nmajor * 1e3,
+            "align_us": t_align * 1e3, "align_torch_us": t_align_torch * 1e3,
+            "bf16_us": t_bf16 * 1e3,
+            "speedup": t_bf16 / t_moe, "moe_floor_us": int4_bytes / bps * 1e6,
+            "bf16_floor_us": bf16_bytes / bps * 1e6,
+            "moe_bw_frac": int4_bytes / (t_moe * 1e-3) / PEAK_BYTES_PER_S,
+            "moe_bw_share": _bw_share(int4_bytes, t_moe),
+            "moe_graph_bw_share": None if t_graph is None else _bw_share(int4_bytes, t_graph),
+            "config": f"bm{cfg.block_m} bn{cfg.block_n}/{cfg.block_n_down} "
+                      f"bk{cfg.block_k}/{cfg.block_k_down} w{cfg.num_warps} s{cfg.num_stages}"}
+
+
+def run_moe(result: dict[str, Any], out: Path, quick: bool) -> None:
+    """The fused-MoE part: every M, the JSON rewritten after each."""
+    int4, dense = moe_weights()
+    int4_nmajor = n_major_experts(int4)
+    result["moe"] = []
+    for m in (1, 16, 64) if quick else MOE_M:
+        result["moe"].append(bench_moe(m, int4, int4_nmajor, dense))
+        _save(out, result)
+    del int4, int4_nmajor, dense
+    torch.cuda.empty_cache()
+    print(_table(result["moe"], ["m", "experts_touched", "moe_us", "moe_graph_us",
+                                 "moe_nmajor_us", "align_us", "align_torch_us",
+                                 "bf16_us", "speedup", "moe_floor_us", "bf16_floor_us",
+                                 "moe_bw_share", "config"]), flush=True)
+
+
+def run_gemm(result: dict[str, Any], out: Path, quick: bool, group_sizes: list[int],
+             m_values: list[int]) -> None:
+    """The INT4 GEMM part: every shape at every M and group size, the JSON rewritten after
+    each shape."""
+    shapes = dict(list(GEMM_SHAPES.items())[:2]) if quick else GEMM_SHAPES
+    for group_size in group_sizes:
+        for name, (k, n) in shapes.items():
+            for m in (1, 16, 64) if quick else m_values:
+                result["gemm"].append({"shape": name, **bench_gemm(k, n, m, group_size)})
+            _save(out, result)
+    print(_table(result["gemm"], ["shape", "group_size", "m", "int4_us", "int4_kmajor_us",
+                                  "bf16_us", "speedup", "int4_bw_share", "bf16_bw_share",
+                                  "config"]), flush=True)
+
+
+def run_tree(result: dict[str, Any], out: Path, quick: bool) -> None:
+    for t in TREE_T:
+        for prefix in (512, 8192) if quick else TREE_PREFIX:
+            result["tree_attention"].append(bench_tree(t, prefix))
+        _save(out, result)
+    print(_table(result["tree_attention"], ["t", "prefix", "batch", "tree_us", "sdpa_us",
+                                            "speedup", "tree_bw_frac", "tree_bw_share"]),
+          flush=True)
+
+
+def run_host(result: dict[str, Any], out: Path) -> None:
+    """The host's share of a batch-1 plain decode step of the engine on this device
+    (fixture model, overlap off), eager and with CUDA graphs: tools/bench_overlap.py's
+    measurement, whose host_busy_share is 1 - (time the host waited for the device) /
+    (step time)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_overlap
+
+    from specd.tokenizer import Tokenizer
+    from specd.workers.config import FIXTURE_DIR
+
+    tok = Tokenizer.from_dir(FIXTURE_DIR)
+    prompts = [tok.encode(p) for p in bench_overlap.load_prompts(1)]
+    result["host_overhead"] = []
+    for graphs in (False, True):
+        row = bench_overlap.measure(bench_overlap.MODES["plain"], False, graphs, 1, prompts,
+                                    64, DEVICE, "auto")
+        row.pop("output")
+        result["host_overhead"].append(row)
+        _save(out, result)
+    print(_table(result["host_overhead"], ["batch", "graphs", "graphs_status", "step_ms",
+                                           "tokens_per_s", "host_busy_share"]), flush=True)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Against the limit: each kernel's best share of the measured copy bandwidth, at small M
+    (the GEMM at M <= 16, per group size) and overall."""
+    summary: dict[str, Any] = {}
+    gemm = [r for r in result["gemm"] if r.get("int4_bw_share") is not None]
+    for group_size in sorted({r["group_size"] for r in gemm}):
+        rows = [r for r in gemm if r["group_size"] == group_size and r["m"] <= 16]
+        if rows:
+            summary[f"int4_g{group_size}_m<=16_best_bw_share"] = max(
+                r["int4_bw_share"] for r in rows)
+            summary[f"int4_g{group_size}_m<=16_median_speedup_vs_bf16"] = sorted(
+                r["speedup"] for r in rows)[len(rows) // 2]
+    for part, key in (("tree_attention", "tree_bw_share"), ("mla_attention", "mla_bw_share"),
+                      ("moe", "moe_bw_share")):
+        shares = [r[key] for r in result.get(part, []) if r.get(key) is not None]
+        if shares:
+            summary[f"{part}_best_bw_share"] = max(shares)
+    if result.get("host_overhead"):
+        summary["batch1_host_busy_share"] = {
+            ("graphs" if r["graphs"] else "eager"): r["host_busy_share"]
+            for r in result["host_overhead"]}
+    return summary
 
 
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
@@ -278,7 +557,21 @@ def main(argv: list[str] | None = None) -> int:
                              "shapes (tuning data for choose_config)")
     parser.add_argument("--mla-only", action="store_true",
                         help="run only the MLA attention part")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"parts to run, in this order (default {','.join(PARTS)})")
+    parser.add_argument("--group-sizes", default=",".join(map(str, GEMM_GROUP_SIZES)),
+                        help="INT4 group sizes of the GEMM part (32, 64, 128)")
+    parser.add_argument("--gemm-m", default=",".join(map(str, GEMM_M)),
+                        help="rows M of the GEMM part")
     args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; known: {', '.join(PARTS)}")
+    group_sizes = [int(g) for g in args.group_sizes.split(",")]
+    if any(g not in (32, 64, 128) for g in group_sizes):
+        parser.error(f"--group-sizes must be among 32, 64, 128, got {args.group_sizes}")
+    m_values = [int(m) for m in args.gemm_m.split(",")]
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the kernels' CPU path is the torch "
               "reference, which is not what this measures); none is available", file=sys.stderr)
@@ -294,20 +587,27 @@ def main(argv: list[str] | None = None) -> int:
         run_mla(result, args.out, args.quick)
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
-    shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
-    for name, (k, n) in shapes.items():  # the JSON is rewritten after each part, so a run
-        for m in (1, 16, 64) if args.quick else GEMM_M:  # cut short keeps what it measured
-            result["gemm"].append({"shape": name, **bench_gemm(k, n, m)})
+    # The JSON is rewritten after each part (and within the long ones), so a run cut short
+    # keeps what it measured.
+    for part in parts:
+        if part == "bandwidth":
+            result["bandwidth"] = measure_bandwidth()
+            print(f"copy bandwidth: {result['bandwidth']['measured_bytes_per_s'] / 1e12:.2f} "
+                  f"TB/s ({result['bandwidth']['share_of_nominal']:.0%} of the nominal "
+                  f"{PEAK_BYTES_PER_S / 1e12:.1f} TB/s)", flush=True)
+        elif part == "gemm":
+            run_gemm(result, args.out, args.quick, group_sizes, m_values)
+        elif part == "tree":
+            run_tree(result, args.out, args.quick)
+        elif part == "mla":
+            run_mla(result, args.out, args.quick)
+        elif part == "host":
+            run_host(result, args.out)
+        elif part == "moe":
+            run_moe(result, args.out, args.quick)
+        result["summary"] = summarize(result)
         _save(args.out, result)
-    print(_table(result["gemm"], ["shape", "m", "int4_us", "int4_kmajor_us", "bf16_us",
-                                  "speedup", "int4_bw_frac", "config"]), flush=True)
-    for t in TREE_T:
-        for prefix in (512, 8192) if args.quick else TREE_PREFIX:
-            result["tree_attention"].append(bench_tree(t, prefix))
-        _save(args.out, result)
-    print(_table(result["tree_attention"], ["t", "prefix", "batch", "tree_us", "sdpa_us",
-                                            "speedup", "tree_bw_frac"]), flush=True)
-    run_mla(result, args.out, args.quick)
+    print("against the limit:", json.dumps(result.get("summary", {}), indent=2), flush=True)
     if args.sweep:  # two shapes: a wide-N and a wide-K one
         for name, (k, n) in list(GEMM_SHAPES.items())[1::3]:
             for m in (1, 16, 64):

@@ -7,7 +7,9 @@
    t_draft one draft level (catch-up included) and t_verify one verify step.
 3. Throughput (output tokens/s) at 1, 4, 16, 64 concurrent requests for off, on and auto.
 
-Prints a table and writes bench_out/bench_spec.json. Run: python tools/bench_spec.py
+Prints a table and writes bench_out/bench_spec.json (rewritten after each section, so a run
+cut short keeps what it measured). Run: python tools/bench_spec.py [--device cuda]
+(default: cuda when available, else cpu).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: int,
     return total, time.perf_counter() - t0
 
 
-def plain_step_time(prompt: list[int], max_tokens: int) -> float:
+def plain_step_time(prompt: list[int], max_tokens: int, device: str = "cpu") -> float:
     """Seconds per plain decode step at batch 1 (prefill excluded)."""
-    core = EngineCore(EngineConfig(speculative_algorithm=None))
+    core = EngineCore(EngineConfig(device=device, speculative_algorithm=None))
     core.add_request("p", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     core.step()  # prefill
     t0 = time.perf_counter()
@@ -72,6 +74,8 @@ def plain_step_time(prompt: list[int], max_tokens: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda[:N]")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--throughput-tokens", type=int, default=24)
@@ -83,11 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_dir(FIXTURE_DIR)
     prompts = [tok.encode(t) for t in load_prompts(args.num_prompts)]
-    result: dict[str, Any] = {"acceptance": {}, "batch1": {}, "throughput": {}}
+    result: dict[str, Any] = {"device": args.device, "acceptance": {}, "batch1": {},
+                              "throughput": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dev = args.device
 
     print("== acceptance (greedy, held-out prompts)")
     for name, shape in SHAPES.items():
-        core = EngineCore(EngineConfig(spec_mode="on", **shape))
+        core = EngineCore(EngineConfig(device=dev, spec_mode="on", **shape))
         run(core, prompts, args.max_tokens, len(prompts))
         s = core.stats()
         per_pos = [a / s.num_verify_passes for a in s.accepted_at_depth]
@@ -95,18 +103,20 @@ def main(argv: list[str] | None = None) -> None:
                                       "accepted_rate_by_position": per_pos}
         print(f"{name:7s} acceptance length {s.acceptance_length:.2f}  by position "
               + " ".join(f"{r:.2f}" for r in per_pos))
+        _save(out, result)
 
     print("== batch 1: on vs off")
-    t_step = min(plain_step_time(prompts[0], args.max_tokens) for _ in range(args.repeats))
+    t_step = min(plain_step_time(prompts[0], args.max_tokens, dev)
+                 for _ in range(args.repeats))
     for name in ("chain3", "chain5", "tree"):
         # Best of --repeats alternating runs: the machine is shared, noise only slows.
         tok_off, s_off, tok_on, s_on = 0, float("inf"), 0, float("inf")
         for _ in range(args.repeats):
-            off = EngineCore(EngineConfig(spec_mode="off"))
+            off = EngineCore(EngineConfig(device=dev, spec_mode="off"))
             n, secs = run(off, prompts[:4], args.max_tokens, 1)
             if secs < s_off:
                 tok_off, s_off = n, secs
-            on_run = EngineCore(EngineConfig(spec_mode="on", **SHAPES[name]))
+            on_run = EngineCore(EngineConfig(device=dev, spec_mode="on", **SHAPES[name]))
             n, secs = run(on_run, prompts[:4], args.max_tokens, 1)
             if secs < s_on:
                 tok_on, s_on, on = n, secs, on_run
@@ -124,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
               f"speedup {speedup:.2f}x  bound {bound:.2f}x  (t_step {t_step * 1e3:.2f} ms, "
               f"t_draft {t_draft * 1e3:.2f} ms x {steps}, t_verify {t_verify * 1e3:.2f} ms, "
               f"acceptance {st.acceptance_length:.2f})")
+        _save(out, result)
 
     print("== throughput (output tok/s), chain5")
     print(f"{'conc':>5s} {'off':>8s} {'on':>8s} {'auto':>8s}")
@@ -131,18 +142,20 @@ def main(argv: list[str] | None = None) -> None:
         row = {}
         work = [prompts[i % len(prompts)] for i in range(max(conc, 4))]
         for mode in ("off", "on", "auto"):
-            core = EngineCore(EngineConfig(spec_mode=mode, max_num_seqs=max(conc, 1),
-                                           **SHAPES["chain5"]))
+            core = EngineCore(EngineConfig(device=dev, spec_mode=mode,
+                                           max_num_seqs=max(conc, 1), **SHAPES["chain5"]))
             core.warmup()  # first-call costs (allocations, oneDNN set-up) out of the timing
             n, secs = run(core, work, args.throughput_tokens, conc)
             row[mode] = n / secs
         result["throughput"][str(conc)] = row
         print(f"{conc:5d} {row['off']:8.1f} {row['on']:8.1f} {row['auto']:8.1f}")
+        _save(out, result)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+
+
+def _save(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
