@@ -1,9 +1,11 @@
 """The engine: `EngineCore`, step-level, driven by the scheduler process and by the
 in-process API (`engine_api.Engine`).
 
-One step reads `schedule -> execute -> update`; features (the speculative worker, the
-controller) are objects behind `execute`, not branches in the loop. A step that raises is
-isolated (workers/isolation.py): the request that caused it fails, the others go on.
+One step reads `schedule -> execute -> update`. The engine holds one step worker
+(workers/plain_worker.py): the speculative worker with a draft model, the plain worker
+without, both behind the same interface, so the loop has no branch on whether speculation
+exists. A step that raises is isolated (workers/isolation.py): the request that caused it
+fails, the others go on.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ModelOutput, ScheduledBatch, TokenLogprobs
+from specd.workers.batch import ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.engine_setup import (
-    build_speculative,
+    build_worker,
     engine_resolved,
     log_switch,
     max_model_len,
@@ -25,12 +28,11 @@ from specd.workers.engine_setup import (
 )
 from specd.workers.isolation import Isolation, describe
 from specd.workers.model_config import ModelConfig
-from specd.workers.model_runner import ModelRunner, PendingOutput
+from specd.workers.plain_worker import Pending, StepWorker
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import FinishReason
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.spec.step import PendingSpec
-from specd.workers.spec.worker import SpecFigures, SpeculativeWorker
+from specd.workers.spec.worker import SpeculativeWorker
 
 log = logging.getLogger("specd.engine")
 
@@ -53,12 +55,12 @@ class RequestDelta:
 
 
 @dataclass(frozen=True)
-class _InFlight:
-    """A launched step whose results the host has not read yet (overlap scheduling):
-    a plain step (`PendingOutput`) or a speculative one (`PendingSpec`)."""
+class _Launched:
+    """A launched step whose results the host has not read yet (the worker's pending
+    step), and when it was scheduled."""
 
     batch: ScheduledBatch
-    pending: PendingOutput | PendingSpec
+    pending: Pending
     t0: float
 
 
@@ -93,22 +95,21 @@ class EngineStats:
 
 
 class EngineCore:
-    """Scheduler + model runner. Built whole or not at all (construction raises)."""
+    """Scheduler + step worker. Built whole or not at all (construction raises)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_path)
-        # Without a draft model the runner runs steps itself; with one, the speculative
-        # worker wraps it (and the runner captures the head's hidden states every step).
-        self.spec: SpeculativeWorker | None = build_speculative(config, self.model_config)
-        self.runner = (self.spec.runner if self.spec is not None
-                       else ModelRunner(config, self.model_config))
+        # With a draft model the speculative worker (whose runner captures the head's
+        # hidden states every step), else the plain worker.
+        self.worker: StepWorker[Any] = build_worker(config, self.model_config)
+        self.runner = self.worker.runner  # the target's
         self.max_model_len = max_model_len(config, self.model_config, self.runner.num_kv_blocks)
         self.scheduler = Scheduler(
             config, self.runner.num_kv_blocks, self.max_model_len, self.model_config.eos_token_ids
         )
         self.overlap = config.overlap_enabled
-        self._in_flight: _InFlight | None = None  # overlap: the launched, unprocessed step
+        self._in_flight: _Launched | None = None  # overlap: the launched, unprocessed step
         self._last_finish = 0.0
         # Whether work was left when the last step finished: then the time until the next
         # step (the scheduler process's messaging, new requests) is part of serving it.
@@ -121,6 +122,12 @@ class EngineCore:
         self._outbox: list[RequestDelta] = []  # the deltas of the step call in progress
         # The batches that call scheduled or resolved: the failed step(s) if it raises.
         self._attempted: list[ScheduledBatch] = []
+
+    @property
+    def spec(self) -> SpeculativeWorker | None:
+        """The speculative worker, for tests and tools that read its parts; None without a
+        draft model. The engine itself only talks to `worker`."""
+        return self.worker if isinstance(self.worker, SpeculativeWorker) else None
 
     @property
     def resolved(self) -> EngineResolved:
@@ -165,8 +172,8 @@ class EngineCore:
         With overlap scheduling the step is split: schedule and launch step N, then
         process step N - 1's results (which the host reads only now), so the deltas lag
         one call behind. Speculative steps overlap too (spec/worker.py: accepted counts
-        and drafts stay on the device); speculation turned off drains the step in flight
-        and runs one whole step (see `_can_overlap`).
+        and drafts stay on the device); when the worker cannot overlap (speculation turned
+        off with drafts waiting) the step in flight is drained and one whole step runs.
 
         A step that raises is isolated (workers/isolation.py): the request it is blamed
         on gets a last delta with finish reason "error" and `error` set; StepFailed when
@@ -176,10 +183,7 @@ class EngineCore:
         num_steps = self._num_steps
         alone = self.isolation.next_alone(self.scheduler.sequences)
         try:
-            if alone is not None:
-                self._step_whole(alone)
-            else:
-                self._step_batched()
+            self._execute(alone)
         except Exception as exc:  # noqa: BLE001 - blamed on a request, or StepFailed
             self._recover(exc, alone)
         else:
@@ -192,20 +196,84 @@ class EngineCore:
         deltas, self._outbox = self._outbox, []
         return deltas
 
-    def _step_batched(self) -> None:
-        if self.overlap and self._can_overlap():
+    def _execute(self, alone: str | None) -> None:
+        """Overlapped (launch this step, then process the one in flight) or whole (launch
+        and process at once): of every request, or of `alone` only (isolation)."""
+        if alone is None and self._can_overlap():
             self._step_overlapped()
             return
         self._drain()
         # The next step runs from what the host knows: drafts made on the device by the
         # step just drained are not verified (the sequences decode one plain step).
         self.scheduler.drop_lagged_drafts()
-        self._step_whole()
+        self._step_whole(alone)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be launched before the one in flight is read: with
+        overlap scheduling, unless the worker needs a whole step (speculation turned off
+        with drafts waiting: `SpeculativeWorker.can_overlap`)."""
+        in_flight = None if self._in_flight is None else self._in_flight.pending
+        return self.overlap and self.worker.can_overlap(in_flight, self.scheduler.running)
+
+    def _step_overlapped(self) -> None:
+        launched = self._launch()
+        self._drain()
+        # Drafts for the sequences of the step just launched (made by it, or by the
+        # worker turning speculation on in `_drain`) stay on the device: the next step
+        # verifies them lagged.
+        self.scheduler.update_draft_token_ids(self.worker.take_draft_token_ids(on_device=True))
+        self._in_flight = launched
+
+    def _step_whole(self, alone: str | None) -> None:
+        launched = self._launch(alone)
+        if launched is None:
+            return
+        self._finish(launched, overlapped=False)
+        # Its drafts, read on the host: after update, which consumed the previous ones.
+        self.scheduler.update_draft_token_ids(self.worker.take_draft_token_ids(on_device=False))
+
+    def _launch(self, alone: str | None = None) -> _Launched | None:
+        """schedule -> launch (nothing read on the host); None if nothing was scheduled."""
+        t0 = time.perf_counter()
+        batch = (self.scheduler.schedule() if alone is None
+                 else self.scheduler.schedule_alone(alone))
+        if batch.is_empty:
+            return None
+        self._attempted.append(batch)
+        return _Launched(batch, self.worker.launch(batch), t0)
+
+    def _drain(self) -> None:
+        """Process the step in flight, if any (its results reach the host here)."""
+        if self._in_flight is None:
+            return
+        launched, self._in_flight = self._in_flight, None
+        self._attempted.append(launched.batch)
+        self._finish(launched, overlapped=True)
+
+    def _finish(self, launched: _Launched, overlapped: bool) -> None:
+        """resolve -> update -> deltas (to the outbox at once: a later part of the step
+        that raises does not lose them) -> the worker's decision for the coming steps, and
+        the step's figures for its controller. `overlapped`: resolved a call after launch."""
+        batch, pending = launched.batch, launched.pending
+        output = pending.resolve()
+        updated = self.scheduler.update(batch, output)
+        self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
+                         for seq in updated]
+        speculated = self.worker.ran_speculating(pending, overlapped)  # before the decision
+        log_switch(self.worker.update_controller(self.scheduler.num_running))
+        step_s = self._step_time(launched.t0)
+        # Every step is a sample of the state it ran in, prefill and all (drafting for the
+        # next step included): what a mode yields is its regime's throughput, request
+        # turnover included. The controller leaves out the steps around each switch.
+        if step_s > 0:
+            self.worker.controller.record(len(batch.scheduled), speculated, step_s,
+                                          sum(len(t) for t in output.sampled.values()))
+        self._num_steps += 1
 
     def _recover(self, error: Exception, alone: str | None) -> None:
         """After a step raised: blame it (StepFailed if no request can be), drop what was
-        in flight and reset the scheduler, and report what the failed step(s) applied
-        before raising (tokens, finished sequences: without log-probs)."""
+        in flight, reset the scheduler and the worker, and report what the failed step(s)
+        applied before raising (tokens, finished sequences: without log-probs)."""
         if self._in_flight is not None:
             self._attempted.append(self._in_flight.batch)
         seqs: dict[str, Seq] = {}
@@ -217,99 +285,11 @@ class EngineCore:
         self.isolation.on_failure(error, alone, suspects)
         self._in_flight = None
         self.scheduler.reset_after_failure()
-        if self.spec is not None:
-            self.spec.take_draft_token_ids(on_device=True)  # the failed step's: dropped
-            for request_id in self.scheduler.sequences:
-                self.spec.drop_pending(request_id)
-        self.runner.invalidate_decode_stage()
+        self.worker.reset_after_failure(self.scheduler.sequences)
         for seq in seqs.values():
             emitted = self._num_emitted.get(seq.request_id)
             if emitted is not None and (seq.is_finished or seq.num_output_tokens > emitted):
                 self._outbox.append(self._delta(seq, []))
-
-    def _can_overlap(self) -> bool:
-        """Whether the next step can be launched before the one in flight is read. Not
-        while speculation is off and the step in flight drafted on the device (the verifies
-        of those drafts could not be scheduled without drafting again), nor while drafts
-        the host knows wait (a whole step verifies them): drain, and run a whole step."""
-        if self.spec is None or self.spec.controller.enabled:
-            return True
-        in_flight = self._in_flight
-        if (in_flight is not None and isinstance(in_flight.pending, PendingSpec)
-                and in_flight.pending.drafted is not None):
-            return False
-        return not any(s.spec_token_ids for s in self.scheduler.running)
-
-    def _step_overlapped(self) -> None:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        launched = None
-        if not batch.is_empty:
-            self._attempted.append(batch)
-            pending: PendingOutput | PendingSpec
-            pending = (self.runner.launch(batch) if self.spec is None
-                       else self.spec.launch(batch))
-            launched = _InFlight(batch, pending, t0)
-        self._drain()
-        if self.spec is not None:
-            # Drafts for the sequences of the step just launched (made by it, or by the
-            # controller turning speculation on in `_drain`) stay on the device: the next
-            # step verifies them lagged.
-            self.scheduler.update_draft_token_ids(
-                self.spec.take_draft_token_ids(on_device=True))
-        self._in_flight = launched
-
-    def _drain(self) -> None:
-        """Process the step in flight, if any (its results reach the host here)."""
-        if self._in_flight is None:
-            return
-        in_flight, self._in_flight = self._in_flight, None
-        self._attempted.append(in_flight.batch)
-        pending = in_flight.pending
-        self._finish(in_flight.batch, pending.resolve(), in_flight.t0,
-                     pending if isinstance(pending, PendingSpec) else None)
-
-    def _step_whole(self, alone: str | None = None) -> None:
-        """One step, launched and resolved at once: of every request, or of `alone` only."""
-        t0 = time.perf_counter()
-        batch = (self.scheduler.schedule() if alone is None
-                 else self.scheduler.schedule_alone(alone))
-        if batch.is_empty:
-            return
-        self._attempted.append(batch)
-        output = (self.runner.execute(batch) if self.spec is None
-                  else self.spec.execute(batch))
-        self._finish(batch, output, t0)
-        if self.spec is not None:
-            # Its drafts, read on the host: after update, which consumed the previous ones.
-            self.scheduler.update_draft_token_ids(
-                self.spec.take_draft_token_ids(on_device=False))
-
-    def _finish(self, batch: ScheduledBatch, output: ModelOutput, t0: float,
-                spec_pending: PendingSpec | None = None) -> None:
-        """update -> deltas (to the outbox at once: a later part of the step that raises
-        does not lose them) -> speculation: the controller's figures and decision.
-        `spec_pending`: the step was an overlapped speculative one."""
-        updated = self.scheduler.update(batch, output)
-        self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
-                         for seq in updated]
-        if self.spec is not None:
-            controller = self.spec.controller
-            # The state this step ran in (an overlapped step was launched before the last
-            # decision: whether it verified or drafted).
-            ran_speculating = (controller.enabled if spec_pending is None
-                               else spec_pending.speculates)
-            log_switch(self.spec.update_controller(self.scheduler.num_running))
-            step_s = self._step_time(t0)
-            # Every step is a sample of the state it ran in, prefill and all (drafting for
-            # the next step included): what a mode yields is its regime's throughput, request
-            # turnover included. The controller leaves out the steps around each switch.
-            if step_s > 0:
-                controller.record(len(batch.scheduled), ran_speculating, step_s,
-                                  sum(len(t) for t in output.sampled.values()))
-        else:
-            self._step_time(t0)
-        self._num_steps += 1
 
     def _step_time(self, t0: float) -> float:
         """The finished step's share of wall time: since the previous step finished if that
@@ -329,8 +309,7 @@ class EngineCore:
         self._num_emitted[seq.request_id] = seq.num_output_tokens
         self._num_generated += len(new)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        drafted, accepted = (self.spec.request_figures(seq.request_id)
-                             if self.spec is not None else (0, 0))
+        drafted, accepted = self.worker.request_figures(seq.request_id)
         if seq.is_finished:
             self._forget(seq.request_id)
         return RequestDelta(
@@ -347,21 +326,13 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._num_emitted.pop(request_id, None)
-        if self.spec is not None:
-            self.spec.release(request_id)
-        else:
-            self.runner.release(request_id)
+        self.worker.release(request_id)
 
     def set_spec_mode(self, mode: str, threshold: int | None = None) -> None:
         """Change speculation at run time: mode on|off|auto, and the auto threshold (the
         resume mark follows it). ValueError for a bad mode/threshold, or for on/auto
         without a draft model."""
-        if self.spec is None:
-            if mode != "off":
-                raise ValueError(f"spec mode {mode!r} needs a draft model; this engine has "
-                                 "none (speculative_algorithm or draft_model unset)")
-            return
-        log_switch(self.spec.controller.set_mode(mode, threshold))
+        log_switch(self.worker.controller.set_mode(mode, threshold))
 
     def warmup(self) -> None:
         """Run every path once (prefill, decode, sampling; every compiled step kind) so the
@@ -370,8 +341,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
-        fig = self.spec.figures if self.spec is not None else SpecFigures()
-        controller = self.spec.controller if self.spec is not None else None
+        fig, controller = self.worker.figures, self.worker.controller
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -380,18 +350,18 @@ class EngineCore:
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated,
             num_preemptions=self.scheduler.stats().num_preemptions,
-            spec_mode=controller.mode if controller is not None else "off",
-            spec_active=controller.enabled if controller is not None else False,
+            spec_mode=controller.mode,
+            spec_active=controller.enabled,
             num_drafted=fig.num_drafted,
             num_accepted=fig.num_accepted,
             num_verify_passes=fig.num_verify_passes,
             acceptance_length=fig.acceptance_length,
             accepted_at_depth=tuple(fig.accepted_at_depth),
-            spec_transitions=controller.num_transitions if controller is not None else 0,
+            spec_transitions=controller.num_transitions,
             draft_s=fig.draft_s,
             verify_s=fig.verify_s,
             catch_up_s=fig.catch_up_s,
-            spec_measured_tok_s={} if controller is None else controller.measured_table(),
+            spec_measured_tok_s=controller.measured_table(),
             num_step_failures=self.isolation.num_step_failures,
             num_requests_failed=self.isolation.num_requests_failed,
         )

@@ -1,16 +1,18 @@
-"""How an `EngineCore` is put together and started: the speculative worker (with its
-runner), the longest sequence served, warm-up, and what it resolved (status)."""
+"""How an `EngineCore` is put together and started: its step worker (speculative with a
+draft model, plain without) and runner, the longest sequence served, warm-up, and what it
+resolved (status)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.kv_cache import kv_bytes_per_token
 from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner
+from specd.workers.plain_worker import PlainWorker, StepWorker
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
 from specd.workers.spec.worker import SpeculativeWorker, read_draft_config, verify_query_len
@@ -21,14 +23,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("specd.engine")
 
 
-def build_speculative(config: EngineConfig, model_config: ModelConfig
-                      ) -> SpeculativeWorker | None:
-    """The speculative worker (with its runner), or None without a draft model. Every
-    step raises out of here: an unreadable head, one that does not fit the target, a bad
-    controller configuration."""
+def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[Any]:
+    """The speculative worker (with its runner) when a draft model is configured, else the
+    plain worker. Every step raises out of here: an unreadable head, one that does not fit
+    the target, a bad controller configuration."""
     path = config.draft_model_path
     if config.speculative_algorithm is None or path is None:
-        return None
+        return PlainWorker(ModelRunner(config, model_config))
     draft_config = read_draft_config(path)
     aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
     # The head's K/V cache has the target's blocks: its bytes come from the same budget.
@@ -46,7 +47,7 @@ def build_speculative(config: EngineConfig, model_config: ModelConfig
 
 def engine_resolved(core: EngineCore) -> EngineResolved:
     """What `core` found at start-up (`EngineCore.resolved`)."""
-    config, runner, spec = core.config, core.runner, core.spec
+    config, runner, worker = core.config, core.runner, core.worker
     return EngineResolved(
         model_name=config.model_path.name,
         num_kv_blocks=runner.num_kv_blocks,
@@ -55,11 +56,10 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         dtype=runner.dtype_name,
         device=config.device,
         eos_token_ids=core.model_config.eos_token_ids,
-        speculative=spec is not None,
+        speculative=worker.speculative,
         overlap_schedule=config.overlap_enabled,
-        graphs=graphs_status(runner, spec),
-        graph_memory_bytes=(runner.backend.memory_bytes
-                            + (0 if spec is None else spec.drafter.loop_runner.memory_bytes)),
+        graphs=worker.graphs_status(),
+        graph_memory_bytes=worker.graph_memory_bytes,
         kv_bytes_per_token=kv_bytes_per_token(core.model_config, runner.dtype),
     )
 
@@ -76,21 +76,18 @@ def warm_up(core: EngineCore) -> None:
         core.step()
     if core.runner.backend.compiles:
         _warm_compiled(core, ids)
-    if core.spec is not None:
-        core.spec.controller.forget_measurements()
+    core.worker.controller.forget_measurements()
 
 
 def _warm_compiled(core: EngineCore, ids: list[int]) -> None:
     """Compile every step kind now, not at the first request that needs it: decode and
     (with a head) verify, each at batch size 1 and >= 2 (cpu_decode.py). Speculation is
-    switched for this (logged, like every switch) and restored."""
-    controller = core.spec.controller if core.spec is not None else None
-    saved = None
-    if controller is not None:
-        saved = (controller.mode, controller.threshold, controller.resume_at)
-    for mode in ("off", "on") if controller is not None else ("off",):
-        if controller is not None:
-            log_switch(controller.set_mode(mode))
+    switched for this (logged, like every switch) and restored (`set_mode` without a
+    threshold keeps the marks)."""
+    controller = core.worker.controller
+    saved = controller.mode
+    for mode in [m for m in ("off", "on") if m in controller.modes]:
+        log_switch(controller.set_mode(mode))
         for batch in (2, 1):
             for i in range(batch):
                 # Long enough for whole draft trees (shorter ones run eagerly).
@@ -98,23 +95,13 @@ def _warm_compiled(core: EngineCore, ids: list[int]) -> None:
                                  SamplingParams(max_tokens=24, ignore_eos=True))
             while core.has_unfinished():
                 core.step()
-    if controller is not None and saved is not None:
-        log_switch(controller.set_mode(*saved))
+    log_switch(controller.set_mode(saved))
 
 
 def log_switch(event: SpecEvent | None) -> None:
     """One record per speculation switch (with its cause and figures)."""
     if event is not None:
         log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
-
-
-def graphs_status(runner: ModelRunner, spec: SpeculativeWorker | None) -> str:
-    """The target's backend (captured graphs, compiled CPU steps) and the draft loop's, for
-    status ("off" when nothing is captured or compiled)."""
-    parts = [runner.backend.status()]
-    if spec is not None and spec.drafter.loop_runner.status():
-        parts.append(spec.drafter.loop_runner.status())
-    return " | ".join(parts)
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:

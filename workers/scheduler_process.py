@@ -7,7 +7,7 @@ imported. A stage that raises sends `SchedulerFailed` (stage + traceback) and th
 waits for the front to end it, so the message is never lost to an early exit.
 
 The loop is `receive -> step -> send`: messages from the front arrive on an IO thread
-(`LinkIO`), each engine step (`EngineCore.step`: schedule -> run -> update) produces one
+(`LinkIO`), each engine step (`EngineCore.step`: schedule -> execute -> update) produces one
 `StepOutput`, which the send thread encodes. A step runs whenever the engine has work; with
 none, the loop blocks on the inbox. A step that raises because of one request ends that
 request with an error delta (the engine isolates it: workers/isolation.py); any other

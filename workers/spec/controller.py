@@ -152,6 +152,8 @@ class SpecController:
     that.
     """
 
+    modes: tuple[str, ...] = SPEC_MODES  # those `set_mode` accepts
+
     def __init__(self, mode: str, threshold: int, resume_at: int | None = None, *,
                  measure: bool = False, explore_every: int = 2048, explore_steps: int = 32,
                  settle_steps: int = 16, margin: float = 0.02,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,11 +69,14 @@ class _RequestState:
 
 
 class SpeculativeWorker:
-    """Wraps `runner` (built with the head's capture layers) with an EAGLE-3 `head`.
+    """Wraps `runner` (built with the head's capture layers) with an EAGLE-3 `head`; the
+    engine's step worker (plain_worker.StepWorker) when a draft model is loaded.
 
     All state is assigned here; the draft KV cache is allocated here (one layer, the target's
     block count and block size). ValueError if the head does not fit the target.
     """
+
+    speculative = True
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, head: DraftHead,
                  controller: SpecController) -> None:
@@ -235,6 +239,23 @@ class SpeculativeWorker:
                 self._drafted = pending.drafted
         self.figures.draft_s += time.perf_counter() - t1
 
+    def can_overlap(self, in_flight: PendingSpec | None, running: Sequence[Seq]) -> bool:
+        """Whether the next step can be launched before `in_flight` is resolved. Not while
+        speculation is off and the step in flight drafted on the device (the verifies of
+        those drafts could not be scheduled without drafting again), nor while drafts the
+        host knows wait (a whole step verifies them)."""
+        if self.controller.enabled:
+            return True
+        if in_flight is not None and in_flight.drafted is not None:
+            return False
+        return not any(s.spec_token_ids for s in running)
+
+    def ran_speculating(self, pending: PendingSpec, overlapped: bool) -> bool:
+        """The state a resolved step ran in; read before `update_controller`. A whole step
+        ran in the controller's state; an overlapped one was launched before the last
+        decision, so what it did tells (whether it verified or drafted)."""
+        return pending.speculates if overlapped else self.controller.enabled
+
     def take_draft_token_ids(self, on_device: bool) -> DraftTokenIds:
         """The drafts made for the last launched step's sequences, once, for the scheduler's
         one door (`update_draft_token_ids`); none if it made none or speculation is off now
@@ -321,12 +342,36 @@ class SpeculativeWorker:
             state.num_draft_computed, state.pending = 0, []
         self.trees.pop(request_id, None)
 
+    def reset_after_failure(self, request_ids: Iterable[str]) -> None:
+        """A step failed and the scheduler was reset (every sequence is recomputed): the
+        failed step's drafts are dropped, so are the pending rows and trees of
+        `request_ids`, and the runner's kept decode K/V."""
+        self._drafted = None
+        for request_id in request_ids:
+            self.drop_pending(request_id)
+        self.runner.invalidate_decode_stage()
+
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request: its pending rows, tree and figures."""
         self.states.pop(request_id, None)
         self.trees.pop(request_id, None)
         self.figures.forget(request_id)
         self.runner.release(request_id)
+
+    # --- status -----------------------------------------------------------------------
+
+    def graphs_status(self) -> str:
+        """The target's backend (captured graphs, compiled CPU steps) and the draft loop's
+        ("off" when nothing is captured or compiled)."""
+        parts = [self.runner.backend.status()]
+        if self.drafter.loop_runner.status():
+            parts.append(self.drafter.loop_runner.status())
+        return " | ".join(parts)
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """The target's and the draft loop's captured graphs."""
+        return self.runner.backend.memory_bytes + self.drafter.loop_runner.memory_bytes
 
 
 def verify_query_len(config: EngineConfig) -> int:
