@@ -15,6 +15,8 @@ rtol = 2 eps, atol = 2 eps * max|reference|.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +41,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 
 Checkpoint = dict[str, torch.Tensor]  # one projection's compressed-tensors tensors
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 # ----------------------------------------------------------------------------- weights
@@ -418,3 +421,26 @@ def test_kernel_matches_reference_on_gpu(num_tokens: int, group_size: int | None
     x = torch.randn(num_tokens, 7168).bfloat16().cuda()
     _assert_kernel_matches(x, ids.cuda(), topk_weights.cuda(), weights)
 
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_entry_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/bench_kernels.py's MoE entry at small shapes on the CPU with stand-in timers:
+    its operands, its correctness gate, its baseline and its byte counts run."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.remove(str(TOOLS))
+    for name, value in (("DEVICE", "cpu"), ("MOE_HIDDEN", 64), ("MOE_INTER", 32),
+                        ("MOE_EXPERTS", 6), ("MOE_TOP_K", 2)):
+        monkeypatch.setattr(bench_kernels, name, value)
+    monkeypatch.setattr(bench_kernels, "bench_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench_kernels, "_graph_ms", lambda fn: (fn(), (None, "no CUDA"))[1])
+    int4, dense = bench_kernels.moe_weights()
+    row = bench_kernels.bench_moe(3, int4, bench_kernels.n_major_experts(int4), dense)
+    assert (row["m"], row["moe_us"], row["moe_nmajor_us"], row["moe_graph_us"]) == (
+        3, 1000.0, 1000.0, None)
+    assert 2 <= row["experts_touched"] <= 6
+    assert 0 < row["moe_floor_us"] < row["bf16_floor_us"]
