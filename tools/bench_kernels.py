@@ -403,12 +403,11 @@ def _graph_ms(fn: Any) -> tuple[float | None, str | None]:
 
 def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]:
     """The fused INT4 MoE for m tokens against the bf16 `experts_forward` (see docstring)."""
+    from specd.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
     from specd.kernels.moe_w4a16 import (
         choose_moe_config,
         fused_moe_w4a16,
         fused_moe_w4a16_ref,
-        moe_align_block_size,
-        moe_align_block_size_ref,
     )
     from specd.workers.moe import experts_forward
 

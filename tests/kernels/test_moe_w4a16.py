@@ -24,15 +24,17 @@ import torch.nn.functional as F
 
 from specd.kernels import moe_w4a16
 from specd.kernels.int4_gemm import unpack_zero_point
+from specd.kernels.moe_align import (
+    max_padded_pairs,
+    moe_align_block_size,
+    moe_align_block_size_ref,
+)
 from specd.kernels.moe_w4a16 import (
     FusedMoeConfig,
     Int4ExpertWeights,
     choose_moe_config,
     fused_moe_w4a16,
     fused_moe_w4a16_ref,
-    max_padded_pairs,
-    moe_align_block_size,
-    moe_align_block_size_ref,
 )
 from specd.workers.moe import ExpertWeights, experts_forward
 

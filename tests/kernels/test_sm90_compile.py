@@ -50,9 +50,10 @@ WORKER_TIMEOUT_S = 1500
 LAUNCHED = {"int4_gemm": {"_int4_splitk_kernel", "_int4_tiled_kernel"},
             "tree_attention": {"_tree_attention_kernel"},
             "mla_attention": {"_mla_attention_kernel"},
-            "moe_w4a16": {"_fused_moe_kernel", "_moe_align_kernel"}}
-FAMILY_MODULES = {"int4": "int4_gemm", "tree": "tree_attention", "mla": "mla_attention",
-                  "moe": "moe_w4a16"}
+            "moe_w4a16": {"_fused_moe_kernel"},
+            "moe_align": {"_moe_align_kernel"}}
+FAMILY_MODULES = {"int4": ("int4_gemm",), "tree": ("tree_attention",),
+                  "mla": ("mla_attention",), "moe": ("moe_w4a16", "moe_align")}
 FAMILIES = ("int4", "tree", "mla", "moe", "copy")
 
 
@@ -332,27 +333,27 @@ def _recording(family: str, launches: list[tuple[Any, Any, tuple, dict]]) -> Ite
 
     if family == "copy":
         sys.path.insert(0, str(TOOLS))
-        module = importlib.import_module("bench_kernels")
-        names = ["_copy_kernel"]
+        modules = {importlib.import_module("bench_kernels"): ["_copy_kernel"]}
     else:
-        module = importlib.import_module(f"specd.kernels.{FAMILY_MODULES[family]}")
-        names = sorted(LAUNCHED[FAMILY_MODULES[family]])
-    saved = {name: getattr(module, name) for name in names}
-    patches: dict[str, Any] = {name: _Recorder(kernel, launches)
-                               for name, kernel in saved.items()}
+        modules = {importlib.import_module(f"specd.kernels.{name}"): sorted(LAUNCHED[name])
+                   for name in FAMILY_MODULES[family]}
     stand_ins: tuple[tuple[str, Callable[..., Any]], ...] = (
         ("check_int4_gemm_args", lambda *a, **k: None), ("_check_args", lambda *a, **k: None),
         ("check_fused_moe_args", lambda *a, **k: None), ("needs_bf16_emulation", lambda t: False))
-    for attr, stand_in in stand_ins:
-        if hasattr(module, attr):
-            saved[attr] = getattr(module, attr)
-            patches[attr] = stand_in
-    for name, value in patches.items():
-        setattr(module, name, value)
+    saved: list[tuple[Any, str, Any]] = []
+    for module, names in modules.items():
+        patches: dict[str, Any] = {name: _Recorder(getattr(module, name), launches)
+                                   for name in names}
+        for attr, stand_in in stand_ins:
+            if hasattr(module, attr):
+                patches[attr] = stand_in
+        for name, value in patches.items():
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
     try:
         yield
     finally:
-        for name, value in saved.items():
+        for module, name, value in saved:
             setattr(module, name, value)
 
 
