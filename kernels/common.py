@@ -1,5 +1,5 @@
-"""Helpers shared by the kernels: the device's SM count, and rounding and `tl.dot` that also
-hold under the CPU interpreter with bf16.
+"""Helpers shared by the kernels: the device's SM count, the int32 addressing bound, and
+rounding and `tl.dot` that also hold under the CPU interpreter with bf16.
 
 Triton 3.9's interpreter (TRITON_INTERPRET=1) stores bf16 as uint16 and gets two things wrong
 that the GPU gets right: `tl.dot` on bf16 multiplies the bit patterns as integers, and fp32 ->
@@ -15,6 +15,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+INT32_MAX = 2**31 - 1  # kernels compute offsets in int32: no operand may address past it
+
+
+def max_offset(t: torch.Tensor) -> int:
+    """The largest element offset `t`'s shape and strides address (from its first element)."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
 def needs_bf16_emulation(t: torch.Tensor) -> bool:

@@ -51,47 +51,24 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import device_num_sms, dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import (
+    INT32_MAX,
+    device_num_sms,
+    dot_acc,
+    max_offset,
+    needs_bf16_emulation,
+    round_to,
+)
+from specd.kernels.int4_layout import (
+    SUPPORTED_ACT_DTYPES,
+    check_quantized_weight,
+    dequantize_int4,
+)
 
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PACK_FACTOR = 8  # int4 values per int32 word
 SPLIT_K_MAX_M = 64  # rows up to which the split-K / GEMV kernel is used
-_INT32_MAX = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- reference
-
-
-def unpack_int4(weight_packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [N, ceil(K/8)] -> int8 [N, K] in [-8, 7]; element 8j+i is nibble i of word j."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight_packed.device)  # [8]
-    nibbles = (weight_packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]
-    values = nibbles.reshape(weight_packed.shape[0], -1)[:, :in_features]
-    return (values - 8).to(torch.int8)
-
-
-def unpack_zero_point(weight_zero_point: torch.Tensor, out_features: int) -> torch.Tensor:
-    """int32 [ceil(N/8), G] packed along N -> int8 [N, G] zero points in [-8, 7]."""
-    return unpack_int4(weight_zero_point.t(), out_features).t()
-
-
-def dequantize_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int | None, in_features: int,
-                    dtype: torch.dtype | None = None,
-                    weight_zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense weight [N, K] = (q - z) * scale[:, k // group_size], computed in float32 and
-    rounded once to `dtype` (default: the scale's dtype, which is what compressed-tensors'
-    decompression yields). group_size None: channel-wise scales [N, 1]; z = 0 without
-    `weight_zero_point` (int32 [ceil(N/8), G], see the module docstring)."""
-    group = group_size or in_features
-    q = unpack_int4(weight_packed, in_features).float()  # [N, K]
-    if weight_zero_point is not None:
-        zero = unpack_zero_point(weight_zero_point, weight_packed.shape[0]).float()  # [N, G]
-        q = q - zero.repeat_interleave(group, dim=1)[:, :in_features]
-    scale = weight_scale.float().repeat_interleave(group, dim=1)[:, :in_features]
-    return (q * scale).to(dtype or weight_scale.dtype)
 
 
 def int4_gemm_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -106,14 +83,6 @@ def int4_gemm_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: to
     w = dequantize_int4(weight_packed, weight_scale, group_size, x.shape[-1], x.dtype,
                         weight_zero_point)
     return (x.float() @ w.float().t()).to(x.dtype)
-
-
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same 2-D tensor stored N-contiguous (stride (1, rows)): the kernels' fast layout."""
-    return t.t().contiguous().t()
-
-
-# ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
@@ -288,36 +257,6 @@ def choose_config(m: int, n: int, k: int, group_size: int | None, num_sms: int) 
     return GemmConfig("splitk", block_m, block_n, block_k, split_k=split_k)
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
-
-
-def check_quantized_weight(name: str, packed: torch.Tensor, scale: torch.Tensor,
-                           zero_point: torch.Tensor | None, group_size: int | None,
-                           n: int, k: int) -> None:
-    """Raise ValueError naming `{name}_packed`/`_scale`/`_zero_point` unless the tensors are
-    one INT4 weight [n, k] (leading dimensions allowed, e.g. experts) in the module's layout;
-    group_size None is channel-wise."""
-    if group_size is not None and group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or None "
-                         f"(channel-wise), got {group_size}")
-    if group_size is not None and k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide K = {k}")
-    lead = tuple(packed.shape[:-2])
-    groups = 1 if group_size is None else k // group_size
-    expected = {f"{name}_packed": (packed, (*lead, n, triton.cdiv(k, PACK_FACTOR)), "int32"),
-                f"{name}_scale": (scale, (*lead, n, groups), "bf16/fp16/fp32"),
-                f"{name}_zero_point": (zero_point, (*lead, triton.cdiv(n, PACK_FACTOR), groups),
-                                       "int32")}
-    for label, (t, shape, dtypes) in expected.items():
-        if t is None:
-            continue
-        dtype_ok = (t.dtype in SUPPORTED_SCALE_DTYPES if label.endswith("_scale")
-                    else t.dtype == torch.int32)
-        if not dtype_ok or tuple(t.shape) != shape:
-            raise ValueError(f"{label} must be {dtypes} {list(shape)}, got {t.dtype} "
-                             f"{list(t.shape)}")
-
 
 def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
                          weight_scale: torch.Tensor, group_size: int | None,
@@ -337,7 +276,7 @@ def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
             continue
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-        if _max_offset(t) > _INT32_MAX:
+        if max_offset(t) > INT32_MAX:
             raise ValueError(f"{name}'s strides {t.stride()} address past 2**31 elements")
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"int4_gemm needs CUDA tensors (x is on {x.device}); use "

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import device_num_sms, dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_bf16_emulation, round_to
 from specd.kernels.tree_attention import (
     LOG2E,
     MAX_TREE_TOKENS,
@@ -55,7 +55,6 @@ from specd.kernels.tree_attention import (
     choose_num_kv_splits,
 )
 
-_INT32_MAX = 2**31 - 1
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -285,7 +284,7 @@ def _check_args(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
             raise ValueError(f"{name} is on {t.device}, q_latent on {q_latent.device}")
     # Offsets within one cache block and within one query row are int32; the block index and
     # the query row are int64.
-    if max(_inner_offset(kv_cache), _inner_offset(q_latent), _inner_offset(q_pe)) > _INT32_MAX:
+    if max(_inner_offset(kv_cache), _inner_offset(q_latent), _inner_offset(q_pe)) > INT32_MAX:
         raise ValueError("one KV block or query row addresses past 2**31 elements")
     if q_latent.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"mla_attention needs CUDA tensors (q_latent is on "

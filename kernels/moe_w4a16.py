@@ -50,19 +50,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specd.kernels.common import dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, dot_acc, max_offset, needs_bf16_emulation, round_to
 from specd.kernels.int4_gemm import (
-    SUPPORTED_ACT_DTYPES,
-    check_quantized_weight,
     dequant_tile,
-    dequantize_int4,
     kernel_group_size,
     zero_point_args,
+)
+from specd.kernels.int4_layout import (
+    SUPPORTED_ACT_DTYPES,
+    check_quantized_weight,
+    dequantize_int4,
 )
 from specd.kernels.moe_align import moe_align_block_size
 
 CHUNK_TOKENS = 2048  # tokens per pass: bounds h and weighted (untuned)
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -272,9 +273,6 @@ def check_moe_config(cfg: FusedMoeConfig) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
-
 
 def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          weights: Int4ExpertWeights) -> None:
@@ -299,7 +297,7 @@ def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     for name, t in operands.items():
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-        if _max_offset(t) > _INT32_MAX:
+        if max_offset(t) > INT32_MAX:
             raise ValueError(f"{name}'s strides {t.stride()} address past 2**31 elements")
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_moe_w4a16 needs CUDA tensors (x is on {x.device}); use "

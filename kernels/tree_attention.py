@@ -33,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import device_num_sms, dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_bf16_emulation, round_to
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per query row
 MAX_KV_SPLITS = 16
 LOG2E = 1.4426950408889634
-_INT32_MAX = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- reference
@@ -252,7 +251,7 @@ def _check_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if tree_mask is not None and tree_mask.device != q.device:
         raise ValueError(f"tree_mask is on {tree_mask.device}, q on {q.device}")
     # Offsets inside one cache block and within q are int32; the block index is int64.
-    if k_cache[0].numel() > _INT32_MAX or q.numel() > _INT32_MAX:
+    if k_cache[0].numel() > INT32_MAX or q.numel() > INT32_MAX:
         raise ValueError("q or one KV block addresses past 2**31 elements")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"tree_attention needs CUDA tensors (q is on {q.device}); use "

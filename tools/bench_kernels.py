@@ -159,7 +159,8 @@ def bench_gemm(k: int, n: int, m: int,
     """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
     checkpoint's K-contiguous layout passed as is."""
     from specd.kernels.common import device_num_sms
-    from specd.kernels.int4_gemm import choose_config, column_major, int4_gemm, int4_gemm_ref
+    from specd.kernels.int4_gemm import choose_config, int4_gemm, int4_gemm_ref
+    from specd.kernels.int4_layout import column_major
 
     x, weight, packed_k, scale_k = _gemm_operands(k, n, m, group_size)
     packed, scale = column_major(packed_k), column_major(scale_k)
@@ -190,7 +191,8 @@ def _config_name(cfg: Any) -> str:
 
 def sweep_gemm(k: int, n: int, m: int) -> list[dict[str, Any]]:
     """Time split-K configurations around the default (to tune `choose_config`)."""
-    from specd.kernels.int4_gemm import GemmConfig, column_major, int4_gemm
+    from specd.kernels.int4_gemm import GemmConfig, int4_gemm
+    from specd.kernels.int4_layout import column_major
 
     x, _, packed_k, scale_k = _gemm_operands(k, n, m)
     packed, scale = column_major(packed_k), column_major(scale_k)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.kernels.int4_gemm import SUPPORTED_ACT_DTYPES
+from specd.kernels.int4_layout import SUPPORTED_ACT_DTYPES
 from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16, fused_moe_w4a16_ref
 from specd.workers.deepseek_config import MoeConfig
 from specd.workers.layers import LinearFactory

@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from specd.kernels.int4_gemm import (
+from specd.kernels.int4_gemm import int4_gemm, int4_gemm_ref
+from specd.kernels.int4_layout import (
     PACK_FACTOR,
     SUPPORTED_GROUP_SIZES,
     dequantize_int4,
-    int4_gemm,
-    int4_gemm_ref,
     unpack_int4,
 )
 

@@ -14,10 +14,12 @@ import torch
 from specd.kernels.int4_gemm import (
     GemmConfig,
     choose_config,
-    column_major,
-    dequantize_int4,
     int4_gemm,
     int4_gemm_ref,
+)
+from specd.kernels.int4_layout import (
+    column_major,
+    dequantize_int4,
     unpack_int4,
     unpack_zero_point,
 )

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.kernels import moe_w4a16
-from specd.kernels.int4_gemm import unpack_zero_point
+from specd.kernels.int4_layout import unpack_zero_point
 from specd.kernels.moe_align import (
     max_padded_pairs,
     moe_align_block_size,
