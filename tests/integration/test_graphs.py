@@ -17,6 +17,7 @@ from specd.workers import graphs as graphs_module
 from specd.workers.engine import EngineCore
 from specd.workers.graph_backend import GraphBackend, GraphDraftLoop
 from specd.workers.graphs import GraphRunner, GraphShape
+from specd.workers.isolation import StepFailed
 from specd.workers.spec.draft_graphs import DraftGraphs
 
 
@@ -133,11 +134,16 @@ def test_a_failed_capture_is_logged_and_the_engine_runs_eagerly(
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_nan_drafts_are_reported_on_both_paths(graphs: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # The draft loop's NaN check moved to the host (a captured loop cannot read the device):
-    # a head that yields NaN still fails the step, whether the loop replays or not.
-    with pytest.raises(ValueError, match="draft log-probabilities contain NaN"):
+    # The draft loop's NaN check runs on the host (a captured loop cannot read the device):
+    # a head that yields NaN fails the step, whether the loop replays or not. Every request
+    # fails alone too, so no request is blamed: the engine raises StepFailed with the NaN
+    # error as its cause (the scheduler process exits 75 on it).
+    with pytest.raises(StepFailed) as failed:
         run(False, cuda_graphs=graphs, spec_mode="on", max_num_seqs=6,
             _after_build=lambda core: _poison_head(core, monkeypatch))
+    cause = failed.value.__cause__
+    assert isinstance(cause, ValueError)
+    assert "draft log-probabilities contain NaN" in str(cause)
 
 
 def _poison_head(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
