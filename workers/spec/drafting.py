@@ -150,7 +150,8 @@ class Drafter:
             shift[:num_verified] = verified.shift
             accepted[:num_verified] = verified.acc.num_accepted
             self._fill_verified(ids, pos, query_lens[:num_verified], verified)
-        ids = self.runner.resolve_placeholders(ids)  # plain pairs read this step's samples
+        if any(t < 0 for t in token_ids):  # plain pairs that read this step's samples
+            ids = self.runner.resolve_placeholders(ids)
         lagged = any(s.lagged_sample_id is not None for s in items)
         meta = build_attention_metadata(
             query_lens=query_lens, seq_lens=seq_lens,

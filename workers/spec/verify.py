@@ -10,7 +10,8 @@ positions, tree masks, KV lengths and slots are completed on the device: attenti
 `shift`). Plain rows (prefill chunks, sequences that do not speculate) run beside them,
 their placeholders resolved from the runner's `future_tokens` as in plain steps.
 
-Acceptance runs fixed loops (`accept_tree(max_depth, max_children)`): the bonus token goes
+Acceptance runs fixed loops on a GPU (`accept_tree(max_depth, max_children)`, nothing read
+on the host; the CPU, whose host is the device, stops early instead): the bonus token goes
 to `future_tokens`, the accepted count to `DraftFutures`; a tree's accepted path is
 compacted in the KV cache with slots computed on the device (depths past the accepted path
 copy a slot onto itself).
@@ -172,8 +173,7 @@ class Verifier:
         tree = self._trees(items, width, trees)
         depth = min(self.num_steps, width - 1)
         seqs = [s.seq for s in items]
-        acc = accept_tree(tree, logits, [s.sampling for s in seqs], runner.generators_of(seqs),
-                          runner.default_generator, max_depth=depth, max_children=self.topk)
+        acc = self._accept(tree, logits, seqs, depth)
         bonus = acc.token_ids.gather(1, acc.num_accepted[:, None])[:, 0]
         sample_ids = [s.sample_id or 0 for s in items]
         runner.write_futures(sample_ids, bonus)
@@ -188,6 +188,24 @@ class Verifier:
             depths=HostCopy(tree.depths.reshape(-1)), depth=depth, width=width,
             logits=logits if any(s.sampling.logprobs > 0 for s in seqs) else None)
         return verified, acc, root
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, seqs: list[Seq], depth: int
+                ) -> Acceptance:
+        """`accept_tree` over trees [V, T] at most `depth` deep, its result `depth` levels
+        wide. On a GPU the walk runs a fixed number of levels and children, reading nothing
+        on the host; on the CPU the host is the device, and the walk stops at the first
+        level where every tree rejected (about half the ops of acceptance at batch 1)."""
+        runner = self.runner
+        fixed = self.device.type != "cpu"
+        acc = accept_tree(tree, logits, [s.sampling for s in seqs], runner.generators_of(seqs),
+                          runner.default_generator, max_depth=depth if fixed else None,
+                          max_children=self.topk if fixed else None)
+        missing = depth - acc.accepted_nodes.shape[1]
+        if missing == 0:
+            return acc
+        return Acceptance(num_accepted=acc.num_accepted,
+                          accepted_nodes=F.pad(acc.accepted_nodes, (0, missing), value=-1),
+                          token_ids=F.pad(acc.token_ids, (0, missing), value=-1))
 
     def own_depth(self, s: ScheduledSequence, depth: int, trees: dict[str, HostTree]) -> int:
         """The deepest node of the tree this item verifies (all of `depth` when lagged)."""
