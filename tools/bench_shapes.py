@@ -48,7 +48,8 @@ from specd.workers.layers import dense_linear
 from specd.workers.model_config import ModelConfig
 from specd.workers.models import build_meta_model
 from specd.workers.quantization import linear_factory_for
-from specd.workers.spec.draft_model import DraftConfig, DraftHead, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
+from specd.workers.spec.draft_model import DraftHead
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,

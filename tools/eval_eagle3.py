@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from specd.workers.spec.accept import accept_greedy
-from specd.workers.spec.draft_model import DraftHead, load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import resolve_aux_layer_ids
+from specd.workers.spec.draft_model import DraftHead, load_draft_head
 from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,7 +14,8 @@ from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner
 from specd.workers.plain_worker import PlainWorker, StepWorker
 from specd.workers.spec.controller import SpecController, SpecEvent
-from specd.workers.spec.draft_model import load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import resolve_aux_layer_ids
+from specd.workers.spec.draft_model import load_draft_head
 from specd.workers.spec.worker import SpeculativeWorker, read_draft_config, verify_query_len
 
 if TYPE_CHECKING:

@@ -283,7 +283,7 @@ def test_cpu_compile_skips_the_dense_kv_paths(
 
 
 def test_default_aux_layers_of_a_small_target_are_refused_by_name() -> None:
-    from specd.workers.spec.draft_model import DraftConfig, resolve_aux_layer_ids
+    from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
 
     cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, vocab_size=97, draft_vocab_size=97,

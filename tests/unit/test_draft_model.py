@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specd.workers.spec.draft_model import DraftConfig, load_draft_head, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
+from specd.workers.spec.draft_model import load_draft_head
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4, 2, 8, 48
 VOCAB, DRAFT_VOCAB = 40, 16

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.workers.spec.draft_model import DraftConfig, DraftHead, load_draft_head
+from specd.workers.spec.draft_config import DraftConfig
+from specd.workers.spec.draft_model import DraftHead, load_draft_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from train_eagle3 import config_json, draft_vocab, save_head, ttt_attention  # noqa: E402

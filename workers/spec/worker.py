@@ -45,7 +45,8 @@ from specd.workers.model_runner import ModelRunner
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.sequence import SequenceStatus
 from specd.workers.spec.controller import SpecController, SpecEvent
-from specd.workers.spec.draft_model import DraftConfig, DraftHead
+from specd.workers.spec.draft_config import DraftConfig
+from specd.workers.spec.draft_model import DraftHead
 from specd.workers.spec.drafting import Drafter, PlainRows, VerifiedRows
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted, HostTree, PendingSpec, SpecFigures
