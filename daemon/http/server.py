@@ -44,6 +44,7 @@ log = logging.getLogger("specd.http")
 SHUTDOWN_TIMEOUT_S = 2.0  # handlers left when the front exits have this long to finish
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+STREAMING = "specd_streaming"  # set on a request once its response headers may be sent
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -106,6 +107,13 @@ class HttpServer:
         except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413 (body too large)
             code = "request_too_large" if exc.status == 413 else None
             return error_response(HttpError(exc.status, exc.text or exc.reason, code))
+        except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered 500
+            log.exception("internal error answering %s", request.path,
+                          extra={"event": "internal_error"})
+            if request.get(STREAMING):
+                raise  # the stream began: aiohttp ends the response
+            return error_response(HttpError(500, "internal error; see the log",
+                                            "internal_error"))
 
     # ---- generate ------------------------------------------------------------------------
 
@@ -152,6 +160,7 @@ class HttpServer:
     async def _stream(self, request: web.Request, peer: HttpPeer, answer: Answer,
                       frames: list[m.ServerMessage]) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
+        request[STREAMING] = True
         await response.prepare(request)
         try:
             while True:
