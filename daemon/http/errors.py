@@ -34,20 +34,24 @@ RETRY_AFTER_S = 1  # the Retry-After of a 429: the open requests turn over withi
 
 
 class HttpError(Exception):
-    """A request answered with an error object instead of a completion."""
+    """A request answered with an error object instead of a completion.
+
+    is_counted: already counted in the front's counters (`error_<code>`), as the request
+    flow counts the errors it sends; the HTTP server counts the others."""
 
     def __init__(self, status: int, message: str, code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, is_counted: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.is_counted = is_counted
 
     @classmethod
-    def from_specd(cls, code: str, message: str, param: str | None = None) -> HttpError:
-        """The HTTP answer to a specd error code (an Error frame of the request flow)."""
-        return cls(STATUS_OF_CODE.get(code, 500), message, code, param)
+    def from_specd(cls, code: str, message: str) -> HttpError:
+        """The HTTP answer to an Error frame of the request flow (which counted it)."""
+        return cls(STATUS_OF_CODE.get(code, 500), message, code, is_counted=True)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -98,22 +98,28 @@ class HttpServer:
         """The API key, and every error as OpenAI's error object."""
         if request.path != "/health" and not self.listener.is_authorized(
                 request.headers.get("Authorization")):
-            return error_response(HttpError(401, "a valid API key is required (Authorization: "
-                                            "Bearer KEY)", "invalid_api_key"))
+            return self._refuse(HttpError(401, "a valid API key is required (Authorization: "
+                                          "Bearer KEY)", "invalid_api_key"))
         try:
             return await handler(request)
         except HttpError as exc:
-            return error_response(exc)
+            return self._refuse(exc)
         except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413 (body too large)
             code = "request_too_large" if exc.status == 413 else None
-            return error_response(HttpError(exc.status, exc.text or exc.reason, code))
+            return self._refuse(HttpError(exc.status, exc.text or exc.reason, code))
         except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered 500
             log.exception("internal error answering %s", request.path,
                           extra={"event": "internal_error"})
             if request.get(STREAMING):
                 raise  # the stream began: aiohttp ends the response
-            return error_response(HttpError(500, "internal error; see the log",
-                                            "internal_error"))
+            return self._refuse(HttpError(500, "internal error; see the log",
+                                          "internal_error"))
+
+    def _refuse(self, error: HttpError) -> web.Response:
+        """The error's answer, counted as `error_<code>` (unless the flow counted it)."""
+        if error.code is not None and not error.is_counted:
+            self.front.counters[f"error_{error.code}"] += 1
+        return error_response(error)
 
     # ---- generate ------------------------------------------------------------------------
 

@@ -182,6 +182,10 @@ def test_metrics_move_as_requests_run(base_url: str, api: openai.OpenAI) -> None
                for mode in ("on", "off", "auto")) == 1
     assert after[("specd_state", (("state", "ready"),))] == 1
     assert ("specd_spec_draft_tokens_total", ()) in after
+    # Refusals only HTTP makes are counted too (the earlier tests made these).
+    assert after[("specd_errors_total", (("code", "invalid_api_key"),))] >= 2
+    assert after[("specd_errors_total", (("code", "bad_request"),))] >= 5
+    assert after[("specd_errors_total", (("code", "model_not_found"),))] >= 1
 
 
 def test_overload_is_429_and_a_disconnect_aborts(daemon: Daemon, base_url: str,

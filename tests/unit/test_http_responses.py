@@ -117,8 +117,9 @@ def test_every_error_code_has_a_status(code: str) -> None:
 def test_overloaded_is_429_and_draining_503() -> None:
     assert HttpError.from_specd("overloaded", "").status == 429
     assert HttpError.from_specd("shutting_down", "").status == 503
-    assert HttpError.from_specd("bad_request", "", "n").body()["error"]["type"] \
-        == "invalid_request_error"
+    assert HttpError(400, "", "bad_request", "n").body()["error"] == {
+        "message": "", "type": "invalid_request_error", "param": "n", "code": "bad_request"}
+    assert HttpError.from_specd("overloaded", "").is_counted  # the flow counted it
 
 
 def test_peer_batches_frames_and_counts_rejections() -> None:
