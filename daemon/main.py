@@ -74,8 +74,6 @@ ENGINE_HELP = {
                    "faster small batches; the warm-up compiles each kind at batch size 1 "
                    "and above (minutes on two cores; inductor caches the code on disk).",
 }
-# EngineConfig fields that are not options: `extra` is read by nothing.
-NOT_OPTIONS = frozenset({"extra"})
 DAEMON_HELP = {
     "socket_path": "Unix socket to listen on (ignored under socket activation); default "
                    "$XDG_RUNTIME_DIR/specd/specd.sock, /run/specd/specd.sock for root.",
@@ -163,7 +161,7 @@ def _add_options(command: Any) -> Any:
         hints = typing.get_type_hints(cls)
         defaults = _defaults(cls)
         for field in reversed(dataclasses.fields(cls)):
-            if field.name == "engine" or field.name in NOT_OPTIONS:
+            if field.name == "engine":
                 continue
             help_text = table.get(field.name, f"{cls.__name__}.{field.name}")
             command = _option(field.name, hints[field.name], defaults[field.name],

@@ -6,7 +6,7 @@ found at run time (the number of KV blocks, say) live in `EngineResolved`, never
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from specd.ipc.messages import SPEC_MODES
@@ -61,7 +61,6 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Compile decode and verify steps on the CPU (torch.compile, inductor): cpu_decode.py.
     cpu_compile: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
