@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specd.workers.spec.draft_model import DraftConfig, DraftHead, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
+from specd.workers.spec.draft_model import DraftHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_prompts import prompts_from_file  # noqa: E402
