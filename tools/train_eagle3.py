@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 draft head for a Hugging Face Llama-style target, on the CPU or a GPU.
+"""Train an EAGLE-3 draft head for a Hugging Face target (Llama-style, or DeepSeek-V3: the
+head is a Llama layer either way), on the CPU or a GPU.
 
     python tools/train_eagle3.py --target workers/fixture --out workers/fixture/eagle3 --minutes 20
 
@@ -55,14 +56,19 @@ def load_target(path: Path, device: str):
 
 
 def head_config(target_cfg, draft_vocab_size: int, aux_ids: tuple[int, ...]) -> DraftConfig:
+    """The head's shape from the target's (a Llama layer of the target's width). An MLA
+    target's `head_dim` names its rope part (DeepseekV3Config): the head's attention then
+    takes hidden // heads, as for a target without head_dim."""
     heads = target_cfg.num_attention_heads
     rope = getattr(target_cfg, "rope_parameters", None) or {}
+    is_mla = getattr(target_cfg, "kv_lora_rank", None) is not None
+    head_dim = None if is_mla else getattr(target_cfg, "head_dim", None)
     return DraftConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=target_cfg.intermediate_size,
         num_attention_heads=heads,
         num_key_value_heads=target_cfg.num_key_value_heads or heads,
-        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // heads,
+        head_dim=head_dim or target_cfg.hidden_size // heads,
         vocab_size=target_cfg.vocab_size,
         draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_cfg.hidden_size,

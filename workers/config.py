@@ -13,6 +13,13 @@ from specd.ipc.messages import SPEC_MODES
 
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixture"
 FIXTURE_DRAFT_DIR = FIXTURE_DIR / "eagle3"
+FIXTURE_MOE_DIR = FIXTURE_DIR.parent / "fixture-moe"
+# The embedded models by name (`--model NAME`), each with its EAGLE-3 head: the dense
+# Llama (the default) and a small DeepSeek-V3 (MLA, MoE; tools/train_fixture.py).
+FIXTURES = {
+    "fixture": (FIXTURE_DIR, FIXTURE_DRAFT_DIR),
+    "fixture-moe": (FIXTURE_MOE_DIR, FIXTURE_MOE_DIR / "eagle3"),
+}
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -21,7 +28,11 @@ DTYPES = ("bfloat16", "float16", "float32")
 class EngineConfig:
     """Everything the engine needs to build itself.
 
-    model: a Hugging Face model directory; None serves the embedded fixture model.
+    model: a Hugging Face model directory, or the name of an embedded model (`FIXTURES`:
+        "fixture", "fixture-moe"; a name wins over a directory of that name, which
+        "./fixture-moe" reaches); None serves "fixture".
+    draft_model: an EAGLE-3 head directory; None takes an embedded model's own head (and
+        none for other models).
     dtype: activation and unquantized weight dtype ("auto": see
         `model_runner.resolve_dtype`; the checkpoint's half precision where the device
         computes it natively, float32 otherwise).
@@ -104,13 +115,15 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path:
-        return Path(self.model) if self.model else FIXTURE_DIR
+        fixture = FIXTURES.get(self.model or "fixture")
+        return fixture[0] if fixture is not None else Path(str(self.model))
 
     @property
     def draft_model_path(self) -> Path | None:
         if self.draft_model:
             return Path(self.draft_model)
-        return FIXTURE_DRAFT_DIR if self.model is None else None
+        fixture = FIXTURES.get(self.model or "fixture")
+        return fixture[1] if fixture is not None else None
 
     @property
     def overlap_enabled(self) -> bool:
