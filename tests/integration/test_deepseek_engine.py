@@ -291,3 +291,21 @@ def test_default_aux_layers_of_a_small_target_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"\[2, 1, 0\] are not strictly ascending"):
         resolve_aux_layer_ids(cfg, 3)
     assert resolve_aux_layer_ids(cfg, 61) == (2, 30, 58)  # Kimi-K2's 61 layers
+
+
+@pytest.mark.parametrize("mode", ["plain", "tree"])
+def test_captured_forwards_replay_over_the_latent_cache(
+        spec_case: tuple[Path, Path, list[list[int]], list[list[int]]], mode: str) -> None:
+    """Graphs (their CPU stand-in) for decode and verify, padded to the capture sizes
+    through the spare block of the latent cache: the output stays the plain engine's."""
+    from specd.workers.graph_backend import GraphBackend
+
+    model, head, prompts, plain = spec_case
+    options = ({"speculative_algorithm": None} if mode == "plain"
+               else {"draft_model": str(head), **SPEC_MODES["tree"]})
+    got, _, core = run(model, prompts, cuda_graphs=True, max_num_seqs=8, **options)
+    assert got == plain
+    backend = core.runner.backend
+    assert isinstance(backend, GraphBackend)
+    # Plain decode replays one-token graphs; every step of the tree mode verifies 8 tokens.
+    assert {s.query_len for s in backend.graphs.replays} == ({1} if mode == "plain" else {8})
