@@ -22,6 +22,12 @@ MIN_INT64 = -(2**63)
 MAX_INT64 = 2**63 - 1
 MAX_UINT64 = 2**64 - 1
 MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for
+# Bounds OpenAI's API sets on its penalties and biases: beyond them a penalty or bias only
+# forbids or forces tokens, which a bias of 100 already does (e^100 dwarfs any logit gap).
+MAX_FREQUENCY_PENALTY = 2.0  # frequency_penalty and presence_penalty in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries in one request's logit_bias
+MAX_TOKEN_ID = 2**31 - 1  # the socket protocol's bound on any token id
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -45,6 +51,20 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop: strings that end generation; handled by the front's detokenizer, which cuts the
         text exactly before the first match.
     speculative: False opts this request out of speculative decoding.
+    repetition_penalty: > 0 (finite), 1 = none (transformers' rule): a token that occurs in
+        the prompt or the generated tokens has its logit divided by it when positive,
+        multiplied by it otherwise.
+    frequency_penalty: in [-2, 2] (OpenAI's rule): subtracted from a token's logit once per
+        time the token occurs in the generated tokens (the prompt does not count).
+    presence_penalty: in [-2, 2] (OpenAI's rule): subtracted from a token's logit once if the
+        token occurs in the generated tokens.
+    logit_bias: token id -> bias added to its logit, at most 1024 entries, each bias finite
+        in [-100, 100]; token ids in [0, 2**31 - 1] here and below the model's vocabulary
+        size where the engine takes the request (`bad_request` otherwise).
+
+    The logits are changed in vLLM's order: logit_bias, then repetition_penalty, then
+    frequency_penalty and presence_penalty, then temperature, top-k, top-p and min-p. Greedy
+    requests take the argmax of the changed logits; log-probabilities stay the raw model's.
     """
 
     temperature: float = 0.0
@@ -58,6 +78,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logprobs: int = 0
     stop: tuple[str, ...] = ()
     speculative: bool = True
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # NaN too
@@ -79,9 +103,42 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
                 f"stop_token_ids must be in [0, 2**63 - 1], got {list(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_FREQUENCY_PENALTY <= value <= MAX_FREQUENCY_PENALTY:  # NaN too
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_TOKENS} entries, "
+                             f"got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias.items():
+            if not 0 <= token_id <= MAX_TOKEN_ID:
+                raise ValueError(
+                    f"logit_bias token ids must be in [0, 2**31 - 1], got {token_id}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:
         """Whether tokens are the argmax: temperature below GREEDY_TEMPERATURE. Every greedy
         decision (sampler, speculative acceptance, whether to seed a generator) reads this."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_history_penalties(self) -> bool:
+        """Whether the logits depend on the tokens so far (repetition, frequency or presence
+        penalty): such a request samples only once the host knows every earlier token."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before temperature (any penalty
+        or a logit bias); when no request in a batch does, that work is skipped."""
+        return self.has_history_penalties or bool(self.logit_bias)

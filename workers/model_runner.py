@@ -178,8 +178,10 @@ class ModelRunner:
         """Sample one token per row of logits [M, vocab] (row i for seqs[i]), write them to
         `future_tokens` under `sample_ids` (all >= 0, or the step resolves nothing there)
         and start their copy to the host."""
-        tokens = sampler.sample(logits, [s.sampling for s in seqs], self.generators_of(seqs),
-                                self.default_generator)
+        params = [s.sampling for s in seqs]
+        # Penalties and logit biases (skipped when no row has any); logprobs stay raw.
+        tokens = sampler.sample(sampler.penalize(logits, params, seqs), params,
+                                self.generators_of(seqs), self.default_generator)
         self.write_futures(sample_ids, tokens)
         wants_logprobs = any(s.sampling.logprobs > 0 for s in seqs)
         return PendingOutput(seqs, HostCopy(tokens), logits if wants_logprobs else None,

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar
 from specd.workers.batch import DraftTokenIds, ModelOutput, ScheduledBatch
 from specd.workers.model_runner import ModelRunner, PendingOutput
 from specd.workers.sequence import Sequence as Seq
+from specd.workers.sequence import any_counts_its_tokens
 from specd.workers.spec.controller import SpecEvent
 from specd.workers.spec.step import SpecFigures
 
@@ -185,8 +186,9 @@ class PlainWorker:
         return self.runner.launch(batch)
 
     def can_overlap(self, in_flight: PendingOutput | None, running: Sequence[Seq]) -> bool:
-        """Always: no drafts wait for a whole step."""
-        return True
+        """Unless a running request has penalties (they count every earlier token, which
+        must be on the host: `any_counts_its_tokens`)."""
+        return not any_counts_its_tokens(running)
 
     def ran_speculating(self, pending: PendingOutput, overlapped: bool) -> bool:
         return False

@@ -1,7 +1,15 @@
 """Sampling: pure torch functions from logits to next tokens, one row per request.
 
 Rows in one batch may carry different `SamplingParams`; every function works on the whole
-batch at once. The filters are applied in the order transformers and SGLang use:
+batch at once. First `penalize` changes the logits of the rows that ask for it, in vLLM's
+order (transformers applies the same repetition rule):
+
+    logit_bias:          logits[t] += bias[t]
+    repetition_penalty:  for t in prompt or output: logits[t] = logits[t] / r if > 0 else * r
+    frequency_penalty:   logits[t] -= f * count of t in the output
+    presence_penalty:    logits[t] -= p * (t in the output)
+
+Then the filters, in the order transformers and SGLang use:
 
     probs = softmax(logits / temperature)
     top-k:  keep every token whose prob is >= the k-th largest (ties at the boundary kept)
@@ -26,12 +34,120 @@ Sampling uses the exponential race (`argmax(probs / q)`, q ~ Exp(1)), which draw
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import TokenLogprobs
 from specd.workers.host_copy import upload
+
+
+class TokenHistory(Protocol):
+    """The tokens a row's penalties count: the prompt's and the generated ones the host
+    knows, and how many generated tokens before the sampled one it does not know yet
+    (samples of a step still in flight; `workers/sequence.py`'s `Sequence` is one)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_unknown_tokens(self) -> int: ...
+
+
+class _NoHistory:
+    """The history of a row whose changes do not depend on it (a logit bias only)."""
+
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    num_unknown_tokens = 0
+
+
+def counted_histories(params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+                      ) -> list[TokenHistory]:
+    """Per row, the history its penalties count: its own where it has history penalties
+    (ValueError if tokens before the sampled one are still unknown: such a request runs in
+    whole steps, see `PlainWorker.can_overlap`), else an empty one."""
+    counted: list[TokenHistory] = []
+    for p, h in zip(params, histories, strict=True):
+        if not p.has_history_penalties:
+            counted.append(_NoHistory())
+        elif h.num_unknown_tokens:
+            raise ValueError(f"penalties need every earlier token on the host; "
+                             f"{h.num_unknown_tokens} are still being computed")
+        else:
+            counted.append(h)
+    return counted
+
+
+def penalize(logits: torch.Tensor, params: Sequence[SamplingParams],
+             histories: Sequence[TokenHistory]) -> torch.Tensor:
+    """Logits [M, V] with each row's logit_bias and penalties applied (module docstring),
+    as float32; `logits` itself when no row changes its logits (nothing else is done then).
+
+    histories: one per row, the tokens that row's penalties count.
+    """
+    rows = [i for i, p in enumerate(params) if p.changes_logits]
+    if not rows:
+        return logits
+    _check_rows(logits, params, "params")
+    _check_rows(logits, histories, "histories")
+    counted = counted_histories([params[i] for i in rows], [histories[i] for i in rows])
+    prompt_mask, output_counts = history_tensors(counted, logits.shape[1], logits.device)
+    index = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
+    changed = apply_penalties(logits.float()[index], [params[i] for i in rows], prompt_mask,
+                              output_counts)
+    return logits.float().index_copy(0, index, changed)
+
+
+def history_tensors(histories: Sequence[TokenHistory], vocab_size: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per history: which tokens occur in the prompt, bool [R, V], and how often each occurs
+    in the output, float32 [R, V]. Token ids must be in [0, vocab_size)."""
+    num_rows = len(histories)
+    prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    prompt_rows = [r for r, h in enumerate(histories) for _ in h.prompt_token_ids]
+    prompt_ids = [t for h in histories for t in h.prompt_token_ids]
+    output_rows = [r for r, h in enumerate(histories) for _ in h.output_token_ids]
+    output_ids = [t for h in histories for t in h.output_token_ids]
+    if prompt_ids:
+        prompt_mask[_ids(prompt_rows, device), _ids(prompt_ids, device)] = True
+    if output_ids:
+        output_counts.index_put_((_ids(output_rows, device), _ids(output_ids, device)),
+                                 torch.ones(len(output_ids), device=device), accumulate=True)
+    return prompt_mask, output_counts
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> torch.Tensor:
+    """The module docstring's rule on float32 logits [R, V]: prompt_mask bool [R, V] (tokens
+    of the prompt), output_counts [R, V] (occurrences in the output), one params per row.
+    Returns a new tensor; a row without penalties or biases comes back unchanged."""
+    _check_rows(logits, params, "params")
+    num_rows, vocab = logits.shape
+    device = logits.device
+    logits = logits.float().clone()
+    bias_rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+    if bias_rows:
+        bias_ids = [t for p in params for t in p.logit_bias]
+        bias = [b for p in params for b in p.logit_bias.values()]
+        logits.index_put_((_ids(bias_rows, device), _ids(bias_ids, device)),
+                          upload(torch.tensor(bias, dtype=torch.float32), device),
+                          accumulate=True)
+    values = upload(torch.tensor([[p.repetition_penalty, p.frequency_penalty,
+                                   p.presence_penalty] for p in params],
+                                 dtype=torch.float32), device)  # [R, 3]
+    repetition, frequency, presence = (values[:, i:i + 1] for i in range(3))  # [R, 1] each
+    in_output = output_counts > 0  # [R, V]
+    penalty = torch.where(prompt_mask | in_output, repetition, 1.0)
+    # transformers' rule: shrink positive logits, push negative ones further down (and a
+    # logit of exactly 0 stays 0 either way).
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency * output_counts - presence * in_output.float()
 
 
 def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -181,6 +297,12 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     kept = torch.where(kept >= m_threshold, kept, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, kept)
+
+
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 values on the device, through pinned memory (`upload`: a pageable copy would
+    wait for the step in flight)."""
+    return upload(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _check_rows(logits: torch.Tensor, per_row: Sequence[object], name: str) -> None:

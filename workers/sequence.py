@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from specd.ipc.sampling import SamplingParams
 
@@ -85,6 +85,13 @@ class Sequence:
         return len(self.pending_sample_ids)
 
     @property
+    def num_unknown_tokens(self) -> int:
+        """While a step samples for this sequence: the tokens before the one it samples
+        that the host does not know yet (the samples of steps still in flight; the step's
+        own sample is the last pending one). Penalties need 0."""
+        return max(0, self.num_placeholders - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -121,6 +128,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+def any_counts_its_tokens(seqs: Iterable[Sequence]) -> bool:
+    """Whether some sequence's sampling counts its earlier tokens (repetition, frequency or
+    presence penalty). Those samples need every earlier token on the host, so while such a
+    sequence runs the workers run whole steps (no overlap, no lagged verify)."""
+    return any(s.sampling.has_history_penalties for s in seqs)
 
 
 def placeholder_token_id(sample_id: int) -> int:

@@ -19,6 +19,12 @@ tried before it. The drafter here picks children deterministically (top-k), i.e.
 one-hot at c_j: accept with probability p(c_j), else remove c_j from p and renormalize.
 `draft_probs` supplies real q_j rows when drafts are sampled.
 
+Penalties (`penalize_tree`): the target distribution at node i is the one plain decoding
+would use after node i's path, so repetition, frequency and presence penalties count the
+sequence's tokens plus the drafts on that path (root excluded: it is already the sequence's
+last token), node by node, for chains and trees alike. The drafter proposes from the draft
+head's own, unpenalized distribution; acceptance needs only the target side exact.
+
 Random numbers: a uniform per node and one draw for the last token, per sequence from its
 own generator when it has one (reproducible per request), else from the default generator.
 """
@@ -32,8 +38,15 @@ import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.host_copy import upload
-from specd.workers.sampler import probs_from_logits, sample_from_probs
-from specd.workers.spec.tree import DraftTree
+from specd.workers.sampler import (
+    TokenHistory,
+    apply_penalties,
+    counted_histories,
+    history_tensors,
+    probs_from_logits,
+    sample_from_probs,
+)
+from specd.workers.spec.tree import DraftTree, path_counts
 
 
 @dataclass(frozen=True)
@@ -234,3 +247,27 @@ def accept_tree(tree: DraftTree, target_logits: torch.Tensor, params: Sequence[S
     return accept_sampled(tree, probs.view(batch, num_nodes, vocab), generators,
                           default_generator=default_generator, max_depth=max_depth,
                           max_children=max_children)
+
+
+def penalize_tree(target_logits: torch.Tensor, tree: DraftTree, params: Sequence[SamplingParams],
+                  histories: Sequence[TokenHistory]) -> torch.Tensor:
+    """target_logits [B, T, V] with each tree's logit_bias and penalties applied, row i as
+    `sampler.penalize` would after the sequence's tokens and node i's path (module
+    docstring); `target_logits` itself when no tree's request changes its logits.
+    histories: one per tree, the tokens its sequence holds (the root included)."""
+    rows = [b for b, p in enumerate(params) if p.changes_logits]
+    if not rows:
+        return target_logits
+    batch, num_nodes, vocab = target_logits.shape
+    device = target_logits.device
+    index = upload(torch.tensor(rows, dtype=torch.int64), device)
+    counted = counted_histories([params[b] for b in rows], [histories[b] for b in rows])
+    prompt_mask, output_counts = history_tensors(counted, vocab, device)
+    sub = DraftTree(token_ids=tree.token_ids[index], parents=tree.parents[index],
+                    depths=tree.depths[index], tree_mask=tree.tree_mask[index])
+    counts = output_counts[:, None, :] + path_counts(sub, vocab)  # [R, T, V]
+    changed = apply_penalties(
+        target_logits.float()[index].flatten(0, 1),
+        [params[b] for b in rows for _ in range(num_nodes)],
+        prompt_mask[:, None, :].expand(-1, num_nodes, -1).flatten(0, 1), counts.flatten(0, 1))
+    return target_logits.float().index_copy(0, index, changed.view(len(rows), num_nodes, vocab))

@@ -234,6 +234,23 @@ def tree_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return masks
 
 
+def path_counts(tree: DraftTree, vocab_size: int) -> torch.Tensor:
+    """How often each token occurs on each node's path, float32 [B, T, V]: the drafts from
+    the root's child down to the node itself, the root excluded (the root is the last token
+    the sequence already holds). Row i is what penalties add to the sequence's output
+    counts for the target's distribution after node i. Reads nothing on the host."""
+    batch, num_nodes = tree.token_ids.shape
+    bits = torch.arange(num_nodes, device=tree.parents.device)
+    masks = tree_mask_from_parents(tree.parents)  # [B, T]
+    # on_path[b, i, j]: node j is node i or an ancestor of it, and not the root.
+    on_path = ((masks[:, :, None] >> bits) & 1).bool()  # [B, T, T]
+    on_path[:, :, 0] = False
+    counts = torch.zeros(batch, num_nodes, vocab_size, dtype=torch.float32,
+                         device=tree.token_ids.device)
+    index = tree.token_ids[:, None, :].expand(batch, num_nodes, num_nodes)  # token of node j
+    return counts.scatter_add_(2, index, on_path.float())
+
+
 def _bits(positions: torch.Tensor) -> torch.Tensor:
     """int64 1 << positions (bit 63 is the sign bit; the pattern is what counts)."""
     return torch.ones_like(positions, dtype=torch.long) << positions.long()

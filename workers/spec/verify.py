@@ -10,6 +10,10 @@ positions, tree masks, KV lengths and slots are completed on the device: attenti
 `shift`). Plain rows (prefill chunks, sequences that do not speculate) run beside them,
 their placeholders resolved from the runner's `future_tokens` as in plain steps.
 
+Acceptance reads the penalized target distribution (`accept.penalize_tree`: each node's
+penalties count the drafts on its path). Requests with history penalties are never verified
+lagged: their tokens must all be on the host, so the workers run them in whole steps.
+
 Acceptance runs fixed loops on a GPU (`accept_tree(max_depth, max_children)`, nothing read
 on the host; the CPU, whose host is the device, stops early instead): the bonus token goes
 to `future_tokens`, the accepted count to `DraftFutures`; a tree's accepted path is
@@ -29,7 +33,7 @@ from specd.workers.batch import ScheduledSequence
 from specd.workers.host_copy import HostCopy, upload
 from specd.workers.model_runner import ModelRunner
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.spec.accept import Acceptance, accept_tree
+from specd.workers.spec.accept import Acceptance, accept_tree, penalize_tree
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import HostTree, Verified
 from specd.workers.spec.tree import DraftTree, signed64
@@ -173,7 +177,9 @@ class Verifier:
         tree = self._trees(items, width, trees)
         depth = min(self.num_steps, width - 1)
         seqs = [s.seq for s in items]
-        acc = self._accept(tree, logits, seqs, depth)
+        # Penalties count each node's path (accept.penalize_tree); log-probabilities stay raw.
+        target = penalize_tree(logits, tree, [s.sampling for s in seqs], seqs)
+        acc = self._accept(tree, target, seqs, depth)
         bonus = acc.token_ids.gather(1, acc.num_accepted[:, None])[:, 0]
         sample_ids = [s.sample_id or 0 for s in items]
         runner.write_futures(sample_ids, bonus)

@@ -43,7 +43,7 @@ from specd.workers.config import EngineConfig
 from specd.workers.host_copy import upload
 from specd.workers.model_runner import ModelRunner
 from specd.workers.sequence import Sequence as Seq
-from specd.workers.sequence import SequenceStatus
+from specd.workers.sequence import SequenceStatus, any_counts_its_tokens
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.draft_model import DraftHead
@@ -244,7 +244,10 @@ class SpeculativeWorker:
         """Whether the next step can be launched before `in_flight` is resolved. Not while
         speculation is off and the step in flight drafted on the device (the verifies of
         those drafts could not be scheduled without drafting again), nor while drafts the
-        host knows wait (a whole step verifies them)."""
+        host knows wait (a whole step verifies them), nor while a running request has
+        penalties (every token they count must be on the host: `any_counts_its_tokens`)."""
+        if any_counts_its_tokens(running):
+            return False
         if self.controller.enabled:
             return True
         if in_flight is not None and in_flight.drafted is not None:
