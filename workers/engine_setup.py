@@ -28,6 +28,9 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
     """The speculative worker (with its runner) when a draft model is configured, else the
     plain worker. Every step raises out of here: an unreadable head, one that does not fit
     the target, a bad controller configuration."""
+    # Refuse a length the model cannot serve (its limit, its sliding window) before any
+    # weight is read; `max_model_len` checks the same after the KV cache is sized.
+    requested_model_len(config, model_config)
     path = config.draft_model_path
     if config.speculative_algorithm is None or path is None:
         return PlainWorker(ModelRunner(config, model_config))
@@ -105,24 +108,36 @@ def log_switch(event: SpecEvent | None) -> None:
         log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
 
 
-def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
-    """The longest sequence served: the configured value, else the model's limit capped by
-    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
+def requested_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence asked for: `config.max_model_len`, else the model's limit
+    (max_position_embeddings). Raises a ValueError when it exceeds that limit or the
+    model's sliding window (`ModelConfig.check_window`)."""
     limit = model_config.max_model_len
-    capacity = num_kv_blocks * config.block_size
     if config.max_model_len is None:
-        if capacity < limit:
-            log.info("max_model_len capped by the KV cache", extra={
-                "event": "max_model_len_capped", "max_position_embeddings": limit,
-                "kv_capacity_tokens": capacity})
-        return min(limit, capacity)
+        model_config.check_window(limit, "max_position_embeddings, as no max_model_len is set")
+        return limit
     if config.max_model_len > limit:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's "
             f"limit {limit}")
-    if config.max_model_len > capacity:
+    model_config.check_window(config.max_model_len, "max_model_len")
+    return config.max_model_len
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
+    """The longest sequence served: the configured value, else the model's limit capped by
+    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
+    requested = requested_model_len(config, model_config)
+    capacity = num_kv_blocks * config.block_size
+    if config.max_model_len is None:
+        if capacity < requested:
+            log.info("max_model_len capped by the KV cache", extra={
+                "event": "max_model_len_capped", "max_position_embeddings": requested,
+                "kv_capacity_tokens": capacity})
+        return min(requested, capacity)
+    if requested > capacity:
         raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the KV cache's capacity of "
+            f"max_model_len {requested} exceeds the KV cache's capacity of "
             f"{capacity} tokens ({num_kv_blocks} blocks of {config.block_size}); raise "
             "kv_cache_memory_bytes or lower max_model_len")
-    return config.max_model_len
+    return requested

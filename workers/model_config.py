@@ -37,6 +37,10 @@ SUPPORTED_ARCHITECTURES = (
 # Rope types the rotary embedding implements ("default" = plain theta^(-2i/d)).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLA_ROPE_TYPES = ("default", "yarn")
+# transformers' defaults when config.json leaves the sliding-window fields out (Mistral's
+# and Qwen2/3's `sliding_window`; Qwen2/3's `max_window_layers`).
+DEFAULT_SLIDING_WINDOW = 4096
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 YARN_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
@@ -76,10 +80,12 @@ class ModelConfig:
     qkv_bias: biases on q/k/v (Qwen2 always; Llama when `attention_bias`).
     o_bias: a bias on the output projection (Llama with `attention_bias`).
     qk_norm: RMSNorm over each head of q and k before rope (Qwen3).
-    sliding_window: the attention window when the model uses one over all layers (some
-        Mistral checkpoints); the engine caps its maximum length at it, so that full causal
-        attention stays exact.
-    quantization_config: `config.json`'s raw `quantization_config`, for the INT4 layers.
+    sliding_window: the attention window of the layers that use one, as transformers reads
+        the config (`_sliding_window`); None when no layer slides. specd attends over the
+        whole sequence, which equals windowed attention only while a sequence is no longer
+        than the window, so a longer maximum length is refused at start-up (`check_window`).
+    quantization_config: `config.json`'s raw `quantization_config` (or the older
+        `compression_config`), for the INT4 layers (checked by workers/quant_config.py).
     mla, moe: DeepSeek-V3's attention and experts (None for the dense decoders; num_kv_heads
         is then nominal, equal to num_heads, and head_dim is the q/k head dim, nope + rope).
     weight_prefix: the prefix of the served model's tensor names in the checkpoint
@@ -134,10 +140,22 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served exactly: the position limit, or the sliding window."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The model's own length limit: max_position_embeddings."""
+        return self.max_position_embeddings
+
+    def check_window(self, length: int, source: str) -> None:
+        """Raise a ValueError naming `sliding_window` when sequences of `length` tokens
+        (whose value comes from `source`) would reach past the window: there the model
+        attends to the last `sliding_window` tokens only, which specd does not implement.
+        Up to the window both attentions see every earlier token (transformers' rule: key
+        k is visible to query q iff q - window < k <= q), so serving stays exact."""
+        window = self.sliding_window
+        if window is not None and length > window:
+            raise ValueError(
+                f"{self.model_dir / 'config.json'}: sliding_window {window} is shorter than "
+                f"the maximum length {length} ({source}); specd attends over the whole "
+                f"sequence, which equals the model's windowed attention only up to "
+                f"{window} tokens: pass --max-model-len {window} (or less)")
 
     @property
     def q_size(self) -> int:
@@ -204,10 +222,11 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             max_position_embeddings=_int(raw, "max_position_embeddings", where),
-            sliding_window=_sliding_window(raw, architecture),
+            sliding_window=_sliding_window(raw, architecture, where),
             eos_token_ids=_eos_ids(raw, generation),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            quantization_config=raw.get("quantization_config"),
+            # `compression_config`: the key older compressed-tensors exports wrote instead.
+            quantization_config=raw.get("quantization_config", raw.get("compression_config")),
             mla=mla,
             moe=parse_moe(raw, where) if is_mla else None,
             weight_prefix=weight_prefix,
@@ -305,13 +324,33 @@ def _optional_float(params: dict[str, Any], key: str) -> float | None:
     return None if params.get(key) is None else float(params[key])
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
-    # Qwen2/3 carry a `sliding_window` value that only applies with `use_sliding_window`.
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get(
-            "use_sliding_window", False):
+def _sliding_window(raw: dict[str, Any], architecture: str, where: Path) -> int | None:
+    """The window as transformers applies it. Mistral: on every layer (`sliding_window`,
+    4096 when absent, null for none). Qwen2/3: only with `use_sliding_window`, and only on
+    the layers `layer_types` marks "sliding_attention", by default those numbered >=
+    `max_window_layers` (28 when absent); a window no layer uses is None. Llama and
+    DeepSeek-V3 have none."""
+    if architecture == "MistralForCausalLM":
+        window = raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not raw.get("use_sliding_window", False):
+            return None
+        window = raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+        num_layers = _int(raw, "num_hidden_layers", where)
+        first_sliding = int(raw.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS))
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(num_layers)]
+        if "sliding_attention" not in layer_types:
+            return None
+    else:
         return None
-    window = raw.get("sliding_window")
-    return int(window) if window else None
+    if window is None:
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{where}: sliding_window must be a positive integer or null, "
+                         f"got {window!r}")
+    return window
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:

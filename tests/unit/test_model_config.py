@@ -81,10 +81,13 @@ def test_architecture_flags(tmp_path: Path) -> None:
     assert biased.qkv_bias and biased.o_bias
 
 
-def test_mistral_sliding_window_caps_the_length(tmp_path: Path) -> None:
+def test_mistral_sliding_window_is_read_and_longer_lengths_refused(tmp_path: Path) -> None:
+    # Which layers slide, and what start-up does about it: tests/unit/test_sliding_window.py.
     config = {**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 1024}
     cfg = ModelConfig.from_dir(write(tmp_path, config))
-    assert cfg.sliding_window == 1024 and cfg.max_model_len == 1024
+    assert cfg.sliding_window == 1024 and cfg.max_model_len == 2048
+    with pytest.raises(ValueError, match="sliding_window 1024"):
+        cfg.check_window(1025, "max_model_len")
 
 
 def test_quantization_config_is_kept_raw(tmp_path: Path) -> None:
