@@ -90,7 +90,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE,
                    "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
                    "quantization_config": INT4_W4A16},
-        "draft": {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256,
+        # vLLM's name: its ids are hidden-state indices as given (0 = the embedding output).
+        "draft": {"architectures": ["Eagle3LlamaForCausalLM"], "hidden_size": 256,
                   "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
                   "draft_vocab_size": 256, "max_position_embeddings": 4096,

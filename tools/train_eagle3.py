@@ -19,7 +19,8 @@ feeds the head its own step k-1 output and the next token, and each row attends 
 step-0 rows before it plus its own rows of steps 1..k, as a drafted token attends to the
 verified prefix and its draft ancestors. Step k is weighted 0.8^k.
 
-Writes config.json (`LlamaForCausalLMEagle3`, `draft_vocab_size`, `eagle_config`),
+Writes config.json (`LlamaForCausalLMEagle3`, `draft_vocab_size`, `eagle_config` whose ids
+follow that format's rule, id i = the output of block i: one less than the numbering above),
 model.safetensors (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`;
 the embedding is the target's) and train_log.jsonl.
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import DraftConfig, aux_layer_ids_as, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,7 +100,9 @@ def config_json(cfg: DraftConfig) -> dict:
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids or ())},
+        # The format's own numbering: id i = the output of block i (`hidden_states[i + 1]`).
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                         aux_layer_ids_as(cfg, "LlamaForCausalLMEagle3") or []},
     }
 
 

@@ -169,7 +169,8 @@ def write_head(model: Path, out: Path) -> Path:
         "hidden_act": "silu", "rms_norm_eps": cfg["rms_norm_eps"], "rope_theta": 10000.0,
         "max_position_embeddings": cfg["max_position_embeddings"], "vocab_size": vocab,
         "draft_vocab_size": vocab, "target_hidden_size": hidden,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, layers]}}))
+        # Hidden states 1, 2 and the last block's output, in the format's numbering.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, layers - 1]}}))
     return out
 
 

@@ -54,7 +54,8 @@ def test_fixture_moe_has_the_deepseek_v3_features() -> None:
     biases = [t for name, t in tensors.items() if name.endswith("e_score_correction_bias")]
     assert len(biases) == cfg.num_layers - 1 and all(b.abs().max() > 0 for b in biases)
     head = json.loads((MOE_DIR / "eagle3" / "config.json").read_text())
-    assert head["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # Outputs of blocks 0..2 (LlamaForCausalLMEagle3's numbering): hidden states 1..3.
+    assert head["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
 
 
 @pytest.fixture(scope="module")

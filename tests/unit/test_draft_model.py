@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
+from specd.workers.spec.draft_config import DraftConfig, aux_layer_ids_as, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import load_draft_head
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 4, 2, 8, 48
@@ -72,9 +72,34 @@ def target_embedding() -> torch.Tensor:
     return torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(9))
 
 
+def speculators_config(flat: dict, norm_before_residual: bool = False) -> dict:
+    """`flat` (a LlamaForCausalLMEagle3 config) as the Speculators library writes it: the
+    layer under transformer_layer_config, the EAGLE-3 keys at the top, ids by vLLM's rule."""
+    layer_keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+                  "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size")
+    ids = flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": {k: flat[k] for k in layer_keys},
+        "draft_vocab_size": flat["draft_vocab_size"], "target_hidden_size": None,
+        "norm_before_residual": norm_before_residual, "norm_before_fc": False,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy",
+                                                     "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "target",
+                                            "architectures": ["LlamaForCausalLM"]}},
+    }
+
+
 def reference_logits(t: dict[str, torch.Tensor], embed: torch.Tensor, ids: torch.Tensor,
-                     aux: torch.Tensor, eps: float = 1e-6, theta: float = 500.0) -> torch.Tensor:
-    """The EAGLE-3 layer written out plainly for one sequence (positions 0..n-1)."""
+                     aux: torch.Tensor, eps: float = 1e-6, theta: float = 500.0,
+                     norm_before_residual: bool = False) -> torch.Tensor:
+    """The EAGLE-3 layer written out plainly for one sequence (positions 0..n-1).
+
+    norm_before_residual as Speculators' Eagle3DecoderLayer: the residual is the normed
+    hidden state."""
 
     def rms(x, w):
         return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -104,7 +129,8 @@ def reference_logits(t: dict[str, torch.Tensor], embed: torch.Tensor, ids: torch
         for i in range(n):
             scores = (k[: i + 1, kv] @ q[i, h]) / math.sqrt(HEAD_DIM)
             attn[i, h] = torch.softmax(scores, dim=0) @ v[: i + 1, kv]
-    h1 = attn.reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T + hidden
+    residual = rms(hidden, t["midlayer.hidden_norm.weight"]) if norm_before_residual else hidden
+    h1 = attn.reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T + residual
     y = rms(h1, t["midlayer.post_attention_layernorm.weight"])
     mlp = (torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T)
            * (y @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
@@ -134,7 +160,8 @@ def test_embedding_is_shared_with_the_target_and_vocab_maps_apply(tmp_path):
     assert head.embed_tokens.weight.data_ptr() == embed.data_ptr()
     assert head.to_target_ids(torch.tensor([0, 1, 15])).tolist() == [7, 9, 37]
     assert int(head.t2d.sum()) == DRAFT_VOCAB and bool(head.t2d[9])
-    assert resolve_aux_layer_ids(head.config, 12) == (1, 4, 7)
+    # LlamaForCausalLMEagle3 names the outputs of blocks 1, 4, 7: hidden states 2, 5, 8.
+    assert resolve_aux_layer_ids(head.config, 12) == (2, 5, 8)
 
 
 def test_a_checkpoint_embedding_is_used_when_present(tmp_path):
@@ -166,10 +193,62 @@ def test_aux_layer_ids_default_and_top_level_field():
     cfg = published_config()
     del cfg["eagle_config"]
     assert resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 12) == (2, 6, 9)
-    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 3, 12]
-    assert resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 12) == (0, 3, 12)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [-1, 3, 11]  # -1: the embedding output
+    assert resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 12) == (0, 4, 12)
     with pytest.raises(ValueError, match="out of range"):
         resolve_aux_layer_ids(DraftConfig.from_dict(cfg), 8)
+
+
+def test_each_format_reads_aux_layer_ids_by_its_own_rule():
+    """The same three target hidden states (2, 6, 9), named as each format's trainer names
+    them: SpecForge/SGLang count block outputs, vLLM and Speculators block inputs."""
+    sglang = published_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 8]})
+    vllm_ids = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]}}
+    variants = {
+        "LlamaForCausalLMEagle3": sglang,
+        "Eagle3LlamaForCausalLM": {**sglang, "architectures": ["Eagle3LlamaForCausalLM"],
+                                   **vllm_ids},
+        "LlamaForCausalLM": {**sglang, "architectures": ["LlamaForCausalLM"], **vllm_ids},
+        "Eagle3Speculator": speculators_config(sglang),
+    }
+    for fmt, raw in variants.items():
+        cfg = DraftConfig.from_dict(raw)
+        assert resolve_aux_layer_ids(cfg, 12) == (2, 6, 9), fmt
+        assert aux_layer_ids_as(cfg, fmt) == (
+            [1, 5, 8] if fmt == "LlamaForCausalLMEagle3" else [2, 6, 9]), fmt
+    assert DraftConfig.from_dict(published_config(eagle_config={})).aux_layer_ids is None
+
+
+def test_speculators_config_maps_to_the_same_head():
+    flat = DraftConfig.from_dict(published_config())
+    spec = DraftConfig.from_dict(speculators_config(published_config(), True))
+    assert spec == DraftConfig(**{**flat.__dict__, "norm_before_residual": True})
+
+
+def test_norm_before_residual_matches_the_reference(tmp_path):
+    tensors = published_tensors(seed=3)
+    embed = target_embedding()
+    path = save(tmp_path / "head", tensors, speculators_config(published_config(), True))
+    head = load_draft_head(path, embed)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (6,), generator=gen)
+    aux = torch.randn(6, 3 * H, generator=gen)
+    expected = reference_logits(tensors, embed, ids, aux, norm_before_residual=True)
+    with torch.no_grad():
+        out = head(ids, torch.arange(6), head.fuse(aux))
+    torch.testing.assert_close(head.logits(out), expected, atol=1e-5, rtol=1e-5)
+    plain = reference_logits(tensors, embed, ids, aux)
+    assert (plain - expected).abs().max() > 1e-2  # the option changes what the head computes
+
+
+def test_int32_d2t_loads_and_a_missing_t2d_is_derived(tmp_path):
+    tensors = published_tensors()
+    t2d = tensors.pop("t2d")
+    tensors["d2t"] = tensors["d2t"].int()
+    head = load_draft_head(save(tmp_path / "head", tensors), target_embedding())
+    assert head.d2t.dtype == torch.int64
+    assert torch.equal(head.d2t, published_tensors()["d2t"])
+    assert torch.equal(head.t2d, t2d)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -179,7 +258,11 @@ def test_aux_layer_ids_default_and_top_level_field():
      "q_proj.weight has shape \\(32, 32\\), expected \\(32, 64\\)"),
     (lambda t: t.update({"t2d": torch.ones(VOCAB, dtype=torch.bool)}), "t2d does not mark"),
     (lambda t: t.update({"d2t": torch.full((DRAFT_VOCAB,), 100)}), "outside the target"),
-    (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t must be int64"),
+    (lambda t: t.update({"d2t": t["d2t"].float()}), "d2t must hold integers"),
+    (lambda t: t.update({"d2t": torch.zeros(DRAFT_VOCAB, dtype=torch.int64) - torch.arange(
+        DRAFT_VOCAB) + 7}), "two draft ids to the same target token"),
+    (lambda t: t.update({"t2d": t["t2d"].int()}), "t2d must be bool"),
+    (lambda t: t.pop("d2t"), "missing tensors \\['d2t'\\]"),
 ])
 def test_wrong_tensors_raise_naming_the_tensor(tmp_path, edit, message):
     tensors = published_tensors()
@@ -188,18 +271,37 @@ def test_wrong_tensors_raise_naming_the_tensor(tmp_path, edit, message):
         load_draft_head(save(tmp_path / "head", tensors), target_embedding())
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
-    ({"architectures": ["Eagle3Speculator"]}, "architectures"),
-    ({"num_hidden_layers": 2}, "one-layer"),
-    ({"draft_vocab_size": VOCAB + 1}, "draft_vocab_size"),
-    ({"rope_scaling": {"rope_type": "yarn"}}, "rope type"),
-    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+def _without(key: str) -> dict:
+    cfg = published_config(architectures=["LlamaForCausalLM"])
+    del cfg[key]
+    return cfg
+
+
+@pytest.mark.parametrize("config, message", [
+    (published_config(architectures=["MistralForCausalLM"]), "architectures must contain"),
+    (_without("draft_vocab_size"), "LlamaForCausalLM without draft_vocab_size"),
+    (published_config(architectures=["Eagle3Speculator"]), "speculators_model_type"),
+    ({**speculators_config(published_config()), "speculators_model_type": "eagle"},
+     "speculators_model_type must be eagle3"),
+    ({k: v for k, v in speculators_config(published_config()).items()
+      if k != "norm_before_residual"}, "must set norm_before_residual"),
+    ({**speculators_config(published_config()), "norm_before_fc": True}, "norm_before_fc"),
+    ({**speculators_config(published_config()), "transformer_layer_config": {
+        **speculators_config(published_config())["transformer_layer_config"],
+        "model_type": "qwen3"}}, "model_type must be llama"),
+    (published_config(attention_bias=True), "attention_bias must be false"),
+    (published_config(mlp_bias=True), "mlp_bias must be false"),
+    (published_config(eagle_config={"use_aux_hidden_state": False}), "use_aux_hidden_state"),
+    (published_config(num_hidden_layers=2), "one-layer"),
+    (published_config(draft_vocab_size=VOCAB + 1), "draft_vocab_size"),
+    (published_config(rope_scaling={"rope_type": "yarn"}), "rope type"),
+    (published_config(num_key_value_heads=3), "multiple of num_key_value_heads"),
 ])
-def test_wrong_config_raises(tmp_path, overrides, message):
-    path = save(tmp_path / "head", published_tensors(), published_config(**overrides))
-    with pytest.raises(ValueError, match=message):
+def test_wrong_config_raises_one_line_naming_the_field(tmp_path, config, message):
+    path = save(tmp_path / "head", published_tensors(), config)
+    with pytest.raises(ValueError, match=message) as info:
         load_draft_head(path, target_embedding())
+    assert "\n" not in str(info.value) and str(path / "config.json") in str(info.value)
 
 
 def test_missing_files_and_embedding_raise(tmp_path):

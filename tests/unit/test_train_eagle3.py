@@ -62,7 +62,8 @@ def test_saved_head_has_the_published_layout_and_loads(tmp_path):
     save_head(head, CFG, tmp_path)
     raw = config_json(CFG)
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    # Hidden states 1, 2, 3 are the outputs of blocks 0, 1, 2: the format's ids.
+    assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
     assert DraftConfig.from_dict(raw) == CFG
     embed = torch.randn(50, 32)
     loaded = load_draft_head(tmp_path, embed)

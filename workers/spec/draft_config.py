@@ -8,8 +8,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-WEIGHTS_FILE = "model.safetensors"
+# How each config.json format numbers `eagle_aux_hidden_state_layer_ids`: the offset that
+# turns its ids into specd's numbering (transformers' `output_hidden_states` index: 0 is the
+# embedding output, k the output of decoder block k-1, i.e. the input of block k).
+#  * LlamaForCausalLMEagle3 (SpecForge's and SGLang's format): id i is the OUTPUT of block i.
+#    SpecForge trains on `hidden_states[i + 1]` (its default ids (1, L//2 - 1, L - 4) are
+#    (2, L//2, L - 3) here); SGLang's `set_eagle3_layers_to_capture` captures before block
+#    i + 1. So -1 would name the embedding output.
+#  * Eagle3LlamaForCausalLM (vLLM's name), LlamaForCausalLM with a draft_vocab_size (the
+#    original EAGLE-3 releases, which vLLM serves; EAGLE's own trainer writes no ids) and
+#    the Speculators format (its data generation uses vLLM's capture): id i is the INPUT of
+#    block i; vLLM captures `hidden_states + residual` before block i, as given.
+# Without ids every engine uses the EAGLE reference default, (2, L//2, L - 3) here.
+AUX_ID_OFFSET = {
+    "LlamaForCausalLMEagle3": 1,
+    "Eagle3LlamaForCausalLM": 0,
+    "LlamaForCausalLM": 0,
+    "Eagle3Speculator": 0,
+}
+ARCHITECTURES = tuple(AUX_ID_OFFSET)
+SPECULATORS = "Eagle3Speculator"
 
 
 @dataclass(frozen=True)
@@ -17,9 +35,13 @@ class DraftConfig:
     """The head's shape, read from its config.json (`DraftConfig.from_dict`).
 
     vocab_size is the TARGET vocabulary (d2t/t2d map into it); draft_vocab_size the head's.
-    aux_layer_ids: None means the reference default for the target (`resolve_aux_layer_ids`).
+    aux_layer_ids: in specd's numbering (`output_hidden_states` index; `from_dict` converts a
+    config's ids by its format's rule, `AUX_ID_OFFSET`); None means the reference default
+    for the target (`resolve_aux_layer_ids`).
     rope_type "default" or "llama3" (then rope_factor, low/high_freq_factor and
     original_max_position describe the Llama-3 frequency scaling).
+    norm_before_residual: the residual of the layer's attention is `hidden_norm(hidden)`
+    rather than `hidden` (a Speculators option; vLLM reads it from any config).
     """
 
     hidden_size: int
@@ -39,6 +61,7 @@ class DraftConfig:
     original_max_position: int = 8192
     max_position_embeddings: int = 2048
     aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -62,49 +85,116 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
-        """Parse a `LlamaForCausalLMEagle3` config.json; ValueError names what is wrong."""
-        arch = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in arch):
-            raise ValueError(f"draft config: architectures must contain one of {ARCHITECTURES} "
-                             f"(the SGLang/vLLM/SpecForge EAGLE-3 layout), got {arch}")
-        if cfg.get("num_hidden_layers", 1) != 1:
-            raise ValueError("draft config: only one-layer EAGLE-3 heads are supported, got "
-                             f"num_hidden_layers={cfg['num_hidden_layers']}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"draft config: hidden_act must be silu, got {cfg['hidden_act']!r}")
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-            if key not in cfg:
-                raise ValueError(f"draft config: missing {key!r}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        eagle = cfg.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids",
-                        cfg.get("eagle_aux_hidden_state_layer_ids"))
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
-            target_hidden_size=cfg.get("target_hidden_size") or hidden,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_type=rope.get("rope_type", rope.get("type", "default")),
-            rope_factor=rope.get("factor", 1.0),
-            low_freq_factor=rope.get("low_freq_factor", 1.0),
-            high_freq_factor=rope.get("high_freq_factor", 4.0),
-            original_max_position=rope.get("original_max_position_embeddings", 8192),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            aux_layer_ids=None if aux is None else tuple(int(i) for i in aux),
-        )
+        """Parse a head's config.json in any published format (`head_format`); ValueError
+        names the field that is wrong or that specd cannot serve."""
+        fmt = head_format(cfg)
+        if fmt == SPECULATORS:
+            layer = cfg.get("transformer_layer_config")
+            if not isinstance(layer, dict):
+                raise ValueError("draft config: a Speculators config needs a "
+                                 "transformer_layer_config object")
+            if layer.get("model_type", "llama") != "llama":
+                raise ValueError("draft config: transformer_layer_config.model_type must be "
+                                 f"llama, got {layer['model_type']!r}")
+            if "norm_before_residual" not in cfg:
+                # The speculators library defaults it to false, vLLM to true: say which.
+                raise ValueError("draft config: a Speculators config must set "
+                                 "norm_before_residual (its readers disagree on the default)")
+            eagle, aux = cfg, cfg.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            layer, eagle = cfg, cfg
+            nested = cfg.get("eagle_config") or {}
+            if nested.get("use_aux_hidden_state", True) is not True:
+                raise ValueError("draft config: eagle_config.use_aux_hidden_state must be true "
+                                 "(a head without the fused target hidden states is EAGLE-1)")
+            aux = nested.get("eagle_aux_hidden_state_layer_ids",
+                             cfg.get("eagle_aux_hidden_state_layer_ids"))
+        _check_layer(layer, eagle)
+        offset = AUX_ID_OFFSET[fmt]
+        return cls(**_shape_fields(layer, eagle),
+                   aux_layer_ids=tuple(int(i) + offset for i in aux) if aux else None,
+                   norm_before_residual=bool(eagle.get("norm_before_residual", False)))
+
+
+def head_format(cfg: dict[str, Any]) -> str:
+    """Which published format a head's config.json is in (a key of `AUX_ID_OFFSET`).
+
+    Speculators: `speculators_model_type` "eagle3" (architecture `Eagle3Speculator`). A plain
+    `LlamaForCausalLM` counts as an EAGLE-3 head only with a `draft_vocab_size` (vLLM's rule
+    for the original EAGLE-3 releases). ValueError naming `architectures` otherwise.
+    """
+    arch = cfg.get("architectures") or []
+    if "speculators_model_type" in cfg or SPECULATORS in arch:
+        kind = cfg.get("speculators_model_type")
+        if kind != "eagle3":
+            raise ValueError(f"draft config: speculators_model_type must be eagle3, got {kind!r}")
+        return SPECULATORS
+    for name in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"):
+        if name in arch:
+            return name
+    if "LlamaForCausalLM" in arch:
+        if "draft_vocab_size" not in cfg:
+            raise ValueError("draft config: architectures LlamaForCausalLM without "
+                             "draft_vocab_size is a target model, not an EAGLE-3 head")
+        return "LlamaForCausalLM"
+    raise ValueError(f"draft config: architectures must contain one of {ARCHITECTURES} "
+                     f"(the published EAGLE-3 formats), got {arch}")
+
+
+def aux_layer_ids_as(config: DraftConfig, fmt: str) -> list[int] | None:
+    """The config's aux layer ids as format `fmt` writes them (inverse of `from_dict`)."""
+    if config.aux_layer_ids is None:
+        return None
+    return [i - AUX_ID_OFFSET[fmt] for i in config.aux_layer_ids]
+
+
+def _check_layer(layer: dict[str, Any], eagle: dict[str, Any]) -> None:
+    """Refuse, by field, what the head (one bias-free Llama layer) does not implement."""
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ValueError("draft config: only one-layer EAGLE-3 heads are supported, got "
+                         f"num_hidden_layers={layer['num_hidden_layers']}")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"draft config: hidden_act must be silu, got {layer['hidden_act']!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key, False):
+            raise ValueError(f"draft config: {key} must be false (the head has no biases)")
+    if eagle.get("norm_before_fc", False):
+        raise ValueError("draft config: norm_before_fc (a norm before fc) is not supported")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in layer:
+            raise ValueError(f"draft config: missing {key!r}")
+
+
+def _shape_fields(layer: dict[str, Any], eagle: dict[str, Any]) -> dict[str, Any]:
+    """DraftConfig's shape and rope fields from the layer's keys (Llama config names) and
+    the EAGLE-3 keys (`draft_vocab_size`, `target_hidden_size`)."""
+    rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+    hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+        "head_dim": layer.get("head_dim") or hidden // heads,
+        "vocab_size": layer["vocab_size"],
+        "draft_vocab_size": eagle.get("draft_vocab_size") or layer["vocab_size"],
+        "target_hidden_size": eagle.get("target_hidden_size") or hidden,
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-5),
+        "rope_theta": layer.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        "rope_type": rope.get("rope_type", rope.get("type", "default")),
+        "rope_factor": rope.get("factor", 1.0),
+        "low_freq_factor": rope.get("low_freq_factor", 1.0),
+        "high_freq_factor": rope.get("high_freq_factor", 4.0),
+        "original_max_position": rope.get("original_max_position_embeddings", 8192),
+        "max_position_embeddings": layer.get("max_position_embeddings", 2048),
+    }
 
 
 def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[int, ...]:
     """The target hidden states the head reads, in `output_hidden_states` numbering.
 
-    The config's ids when it names them, else the reference default (2, L // 2, L - 3).
+    The config's ids (already in this numbering, `DraftConfig.from_dict`) when it names
+    them, else the reference default (2, L // 2, L - 3).
     Valid ids are 0 (the embedding output) .. L (the last block's output, before the norm),
     strictly ascending (the default is, from L = 7 on); the same rule for dense and MoE targets.
     """
@@ -112,8 +202,9 @@ def resolve_aux_layer_ids(config: DraftConfig, num_target_layers: int) -> tuple[
     if ids is None:
         ids = (2, num_target_layers // 2, num_target_layers - 3)
     if any(not 0 <= i <= num_target_layers for i in ids):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} out of range for a target "
-                         f"of {num_target_layers} layers (valid: 0..{num_target_layers})")
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} (output_hidden_states "
+                         f"numbering) out of range for a target of {num_target_layers} layers "
+                         f"(valid: 0..{num_target_layers})")
     if list(ids) != sorted(set(ids)):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)} are not strictly "
                          f"ascending (name them for a target of {num_target_layers} layers)")

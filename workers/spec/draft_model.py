@@ -1,7 +1,11 @@
-"""The EAGLE-3 draft head in the layout SGLang, vLLM and SpecForge publish.
+"""The EAGLE-3 draft head in the layouts SGLang, vLLM, SpecForge and Speculators publish.
 
-The published architecture name is `LlamaForCausalLMEagle3` (vLLM also says
-`Eagle3LlamaForCausalLM`).
+Published architecture names: `LlamaForCausalLMEagle3` (SpecForge/SGLang),
+`Eagle3LlamaForCausalLM` (vLLM), `LlamaForCausalLM` with a `draft_vocab_size` (the original
+EAGLE-3 releases) and `Eagle3Speculator` (Speculators, config nested under
+`transformer_layer_config`); workers/spec/draft_config.py reads each, and
+workers/spec/head_files.py reads the weights (safetensors or `pytorch_model.bin`, single or
+sharded).
 
 One Llama decoder layer (`midlayer`) reads two inputs side by side: the token embedding
 and a hidden state. For a token that follows the verified prefix the hidden state is
@@ -10,18 +14,19 @@ for a token that follows a draft token it is the head's own output for that toke
 before `norm`). The layer's attention projects `cat(input_layernorm(embeds),
 hidden_norm(hidden))` (2*H wide); the residual stream is the hidden path:
 
-    residual = hidden
+    residual = hidden_norm(hidden) if norm_before_residual else hidden
     h = attn(cat(input_layernorm(embeds), hidden_norm(hidden))) + residual
     out = mlp(post_attention_layernorm(h)) + h               # fed back to the next step
     draft_logits = lm_head(norm(out))                        # [N, draft_vocab_size]
 
 Draft token d is target token `d + d2t[d]`; `t2d` marks the target tokens the draft vocabulary
-holds. The token embedding is the target's unless the checkpoint carries `embed_tokens.weight`.
+holds (derived from `d2t` when a checkpoint has none, as NVIDIA ModelOpt exports). The token
+embedding is the target's unless the checkpoint carries `embed_tokens.weight`.
 
-Which target hidden states feed `fc` comes from `eagle_config.eagle_aux_hidden_state_layer_ids`
-(or a top-level `eagle_aux_hidden_state_layer_ids`), in transformers' `output_hidden_states`
-numbering (0 = the embedding output, k = the output of decoder block k-1); the reference
-default for a target of L blocks is (2, L // 2, L - 3).
+Which target hidden states feed `fc` comes from `eagle_aux_hidden_state_layer_ids`, read by
+the rule of the format that wrote it (`draft_config.AUX_ID_OFFSET`) into transformers'
+`output_hidden_states` numbering (0 = the embedding output, k = the output of decoder block
+k-1); the reference default for a target of L blocks is (2, L // 2, L - 3).
 
 The attention goes through `attend`: with a KV cache and attention metadata it writes this
 step's K/V into the paged cache and calls `specd.workers.attention.paged_attention`; without
@@ -37,12 +42,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
 from specd.workers.layers import RMSNorm
-from specd.workers.spec.draft_config import WEIGHTS_FILE, DraftConfig
+from specd.workers.spec.draft_config import DraftConfig
+from specd.workers.spec.head_files import read_head_tensors
 
 
 class Attention(nn.Module):
@@ -182,7 +187,8 @@ class DraftHead(nn.Module):
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """attn [..., T, heads, d] and the layer's input hidden [..., T, H] -> output (pre-norm)."""
         layer = self.midlayer
-        h = layer.self_attn.o_proj(attn.flatten(-2)) + hidden
+        residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
+        h = layer.self_attn.o_proj(attn.flatten(-2)) + residual
         return layer.mlp(layer.post_attention_layernorm(h)) + h
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -239,16 +245,17 @@ class DraftHead(nn.Module):
         """Load published tensors (names as in the checkpoint) into this head.
 
         Accepts the SGLang `model.` prefix and the Speculators/vLLM `layers.0.` alias of
-        `midlayer.`. `d2t`/`t2d` may be absent only when the draft vocabulary is the target's.
-        ValueError (naming `source`) for missing, unexpected or misshapen tensors.
+        `midlayer.`. `d2t` may be absent only when the draft vocabulary is the target's; `t2d`
+        may be absent (it follows from `d2t`). ValueError (naming `source`) for missing,
+        unexpected or misshapen tensors.
         """
         tensors = {_canonical_name(n): t for n, t in tensors.items()}
         cfg = self.config
         expected = {n: tuple(p.shape) for n, p in self.named_parameters()}
         expected.update({"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
-        optional = {"embed_tokens.weight"}
+        optional = {"embed_tokens.weight", "t2d"}
         if cfg.draft_vocab_size == cfg.vocab_size:
-            optional |= {"d2t", "t2d"}
+            optional.add("d2t")
         missing = sorted(set(expected) - set(tensors) - optional)
         unexpected = sorted(set(tensors) - set(expected))
         if missing or unexpected:
@@ -274,23 +281,34 @@ class DraftHead(nn.Module):
                     param.copy_(value)
 
     def _load_vocab_maps(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """d2t of any integer dtype (int32 in some exports) becomes int64; t2d must be the
+        set d2t maps onto (vLLM ignores t2d; specd checks it, or derives it when absent)."""
         cfg = self.config
         if "d2t" not in tensors:
+            if "t2d" in tensors:
+                raise ValueError(f"{source}: has t2d but no d2t (d2t names the target tokens)")
             self.d2t.zero_()
             self.t2d.fill_(True)
             return
-        d2t, t2d = tensors["d2t"], tensors["t2d"]
-        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-            raise ValueError(f"{source}: d2t must be int64 and t2d bool, got {d2t.dtype} and "
-                             f"{t2d.dtype}")
-        target_ids = d2t + torch.arange(cfg.draft_vocab_size)
+        d2t = tensors["d2t"]
+        if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+            raise ValueError(f"{source}: d2t must hold integers, got {d2t.dtype}")
+        target_ids = d2t.long() + torch.arange(cfg.draft_vocab_size, device=d2t.device)
         if bool((target_ids < 0).any()) or bool((target_ids >= cfg.vocab_size).any()):
             raise ValueError(f"{source}: d2t maps draft ids outside the target vocabulary "
                              f"[0, {cfg.vocab_size})")
-        if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[target_ids].all()):
-            raise ValueError(f"{source}: t2d does not mark exactly the {cfg.draft_vocab_size} "
-                             "target tokens that d2t maps to")
-        self.d2t.copy_(d2t)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=d2t.device)
+        t2d[target_ids] = True
+        if int(t2d.sum()) != cfg.draft_vocab_size:
+            raise ValueError(f"{source}: d2t maps two draft ids to the same target token")
+        if "t2d" in tensors:
+            stored = tensors["t2d"]
+            if stored.dtype != torch.bool:
+                raise ValueError(f"{source}: t2d must be bool, got {stored.dtype}")
+            if not torch.equal(stored.to(t2d.device), t2d):
+                raise ValueError(f"{source}: t2d does not mark exactly the "
+                                 f"{cfg.draft_vocab_size} target tokens that d2t maps to")
+        self.d2t.copy_(d2t)  # to int64
         self.t2d.copy_(t2d)
 
 
@@ -305,27 +323,30 @@ def _canonical_name(name: str) -> str:
 def load_draft_head(path: str | Path, target_embed_weight: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     ) -> DraftHead:
-    """Load a head from a directory holding config.json and model.safetensors.
+    """Load a head from a directory holding config.json and its weights in a published
+    layout (`head_files.WEIGHT_FILES`).
 
     target_embed_weight [vocab_size, hidden_size]: the target's token embedding, shared when
     the checkpoint carries none. Raises FileNotFoundError / ValueError naming the file.
     """
     root = Path(path)
-    config_path, weights_path = root / "config.json", root / WEIGHTS_FILE
-    for p in (config_path, weights_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"draft model: {p} not found (expected config.json and "
-                                    f"{WEIGHTS_FILE} in {root})")
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"draft model: {config_path} not found (a head directory "
+                                "holds config.json and its weights)")
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from e
-    config = DraftConfig.from_dict(raw)
+    try:
+        config = DraftConfig.from_dict(raw)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    tensors, weights_path = read_head_tensors(root, device)
     with torch.device("meta"):
         head = DraftHead(config)
     # Empty storage in the serving dtype; rope frequencies stay float32 for accuracy.
     head = head.to_empty(device=device).to(dtype)
     head.inv_freq = rope_inv_freq(config).to(device)
-    tensors = load_file(str(weights_path), device=str(device))
     head.load_weights(tensors, str(weights_path), target_embed_weight)
     return head.eval()
