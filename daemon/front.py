@@ -290,7 +290,8 @@ class Front:
         elif isinstance(message, m.Ready):
             self._on_ready(message)
         elif isinstance(message, m.SchedulerFailed):
-            code = EXIT_CONFIG if self.state is State.STARTING else EXIT_SCHEDULER_FAILED
+            # Before Ready the scheduler tells a code bug (70) from bad configuration (78).
+            code = message.exit_code if self.state is State.STARTING else EXIT_SCHEDULER_FAILED
             self._fail(code, f"scheduler failed in stage {message.stage}: {message.error}",
                        traceback=message.traceback)
         elif isinstance(message, m.Stopped):

@@ -31,11 +31,13 @@ from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
 from specd.daemon.http.listener import open_http_listener
 from specd.daemon.lifecycle import Lifecycle
 from specd.daemon.sdnotify import Notifier
-from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED
+from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
+from specd.model_fit import check_vocabulary
 from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, EngineConfig
+from specd.workers.model_config import ModelConfig
 
 log = logging.getLogger("specd.main")
 
@@ -202,6 +204,15 @@ def run_daemon(config: DaemonConfig) -> int:
         tokenizer = Tokenizer.from_dir(config.engine.model_path)
     except (OSError, ValueError) as exc:
         return _config_failure(lifecycle, f"cannot load the tokenizer: {exc}")
+    lifecycle.starting("model configuration")
+    try:
+        # Read before the scheduler starts, so a misfit is named in a second, not after
+        # the weights load (the scheduler reads the same file again, for the model).
+        model_config = ModelConfig.from_dir(config.engine.model_path)
+        check_vocabulary(tokenizer.vocab_size, model_config.vocab_size,
+                         config.engine.model_path)
+    except (OSError, ValueError) as exc:
+        return _config_failure(lifecycle, f"bad model: {exc}")
     lifecycle.starting("socket")
     try:
         http_listener = open_http_listener(config)
@@ -312,7 +323,13 @@ def main(**options: Any) -> None:
         click.echo(f"specd: invalid configuration: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
     setup_logging(config.log_format, config.log_level)
-    sys.exit(run_daemon(config))
+    try:
+        code = run_daemon(config)
+    except Exception as exc:  # noqa: BLE001 - a bug in the front: one record, then exit 70
+        log_event(log, logging.CRITICAL, "internal_error", f"specd failed: {exc!r}",
+                  exc_info=exc, exit_code=EXIT_SOFTWARE)
+        code = EXIT_SOFTWARE
+    sys.exit(code)
 
 
 if __name__ == "__main__":

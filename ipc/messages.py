@@ -295,11 +295,14 @@ class Ready(_Link, frozen=True, tag="ready"):
 
 
 class SchedulerFailed(_Link, frozen=True, tag="failed"):
-    """The scheduler is about to exit because `stage` raised (load, warmup, loop, ...)."""
+    """The scheduler is about to exit because `stage` raised (load, warmup, loop, ...).
+    `exit_code`: the daemon's exit code for a failure before Ready (70 a code bug, 78 bad
+    configuration: `exit_codes.startup_exit_code`); a failure in the loop is always 75."""
 
     stage: str
     error: str
     traceback: str
+    exit_code: int = 78
 
 
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -74,6 +74,15 @@ class EngineConfig:
     cpu_compile: bool = False
 
     def __post_init__(self) -> None:
+        # An empty value is what a unit passes for an unset variable (`--model ${SPECD_MODEL}`
+        # with the name misspelled in the environment file): never the default in disguise.
+        for name in ("model", "draft_model"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(
+                    f"{name} is empty (--{name.replace('_', '-')} {value!r}): give a "
+                    "directory or an embedded model's name, or leave the option out for "
+                    "the default")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

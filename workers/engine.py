@@ -336,8 +336,12 @@ class EngineCore:
 
     def warmup(self) -> None:
         """Run every path once (prefill, decode, sampling; every compiled step kind) so the
-        first request pays nothing."""
+        first request pays nothing. Its steps are not the workload: the figures that
+        status and stats report start from zero after it."""
         warm_up(self)
+        self._num_steps = 0
+        self._num_generated = 0
+        self.worker.figures.reset()
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager

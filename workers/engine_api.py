@@ -7,9 +7,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
+from specd.model_fit import check_vocabulary
 from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
+from specd.workers.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class Engine:
         has_tokenizer = any((self.config.model_path / name).is_file()
                             for name in TOKENIZER_FILES)
         self.tokenizer = Tokenizer.from_dir(self.config.model_path) if has_tokenizer else None
+        if self.tokenizer is not None:  # before the weights load, as the daemon does
+            check_vocabulary(self.tokenizer.vocab_size,
+                             ModelConfig.from_dir(self.config.model_path).vocab_size,
+                             self.config.model_path)
         self.core = EngineCore(self.config)
         self._next_id = 0
 

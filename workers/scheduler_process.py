@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from specd import provenance
-from specd.exit_codes import EXIT_CONFIG as EXIT_STARTUP_FAILED
 from specd.exit_codes import EXIT_SCHEDULER_FAILED as EXIT_LOOP_FAILED
+from specd.exit_codes import startup_exit_code
 from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkPaths
 from specd.logs import setup_logging
@@ -210,7 +210,7 @@ def run(config_json: str, paths: LinkPaths) -> int:
         stage = "loop"
         EngineLoop(core, io).run()
     except StageError as exc:
-        return fail(io, exc.stage, exc.error, EXIT_STARTUP_FAILED)
+        return fail(io, exc.stage, exc.error, startup_exit_code(exc.error))
     except Exception as exc:  # noqa: BLE001 - any loop failure is reported, then we exit
         return fail(io, stage, exc, EXIT_LOOP_FAILED)
     io.close()
@@ -221,7 +221,7 @@ def fail(io: LinkIO, stage: str, error: BaseException, code: int) -> int:
     """Report the failure to the front (and stderr), then wait for the front to end us."""
     text = "".join(traceback.format_exception(error))
     # The front logs it (one record); stderr gets it only if the front never does.
-    io.send(m.SchedulerFailed(stage=stage, error=repr(error), traceback=text))
+    io.send(m.SchedulerFailed(stage=stage, error=repr(error), traceback=text, exit_code=code))
     # The front kills us once it has the message; exiting first could lose it in transit.
     time.sleep(FAILED_WAIT_S)
     print(f"specd scheduler: stage {stage} failed\n{text}", file=sys.stderr, flush=True)

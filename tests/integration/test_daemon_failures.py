@@ -161,13 +161,15 @@ def test_drain_timeout_ends_the_rest_with_an_error(tmp_path: Path) -> None:
 def test_model_that_cannot_load_exits_78_naming_the_stage(tmp_path: Path) -> None:
     model = tmp_path / "broken-model"
     model.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(FIXTURE_DIR / name, model / name)  # a tokenizer, but no config.json
+    # A tokenizer and a configuration (which the front checks), but no weights.
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(FIXTURE_DIR / name, model / name)
     daemon = Daemon(tmp_path, "--model", str(model))
     try:
         assert daemon.wait(240) == EXIT_CONFIG
         (record,) = daemon.events("scheduler_failed")
-        assert "stage load" in record["msg"] and "config.json" in record["scheduler_traceback"]
+        assert "stage load" in record["msg"]
+        assert "model.safetensors" in record["scheduler_traceback"]
     finally:
         daemon.stop()
 

@@ -67,6 +67,15 @@ class SpecFigures:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def reset(self) -> None:
+        """Zero every figure in place (after warm-up, whose drafts are not the workload);
+        the per-depth lists keep their length, per-request figures are dropped."""
+        self.num_verify_passes = self.num_drafted = self.num_accepted = 0
+        self.accepted_at_depth[:] = [0] * len(self.accepted_at_depth)
+        self.drafted_at_depth[:] = [0] * len(self.drafted_at_depth)
+        self.draft_s = self.catch_up_s = self.verify_s = 0.0
+        self.requests.clear()
+
 
 @dataclass(frozen=True)
 class HostTree:

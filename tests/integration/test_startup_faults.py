@@ -1,0 +1,112 @@
+"""Start-up faults planted in the real daemon and what the operator sees: the cause on the
+first screen (one line or one log record) and the exit code of the contract (78 bad
+configuration, 70 a code bug in building or warming up the engine).
+
+Faults inside the scheduler process are planted from outside the product: a
+`sitecustomize.py` on PYTHONPATH (which the front passes on to its child) patches specd in
+the scheduler process only (`python -m specd.workers.scheduler_process` in its argv)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from daemon_harness import Daemon
+
+from specd.exit_codes import EXIT_CONFIG, EXIT_SOFTWARE
+from specd.workers.config import FIXTURE_DIR
+
+
+def plant_in_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: str) -> None:
+    """Run `patch` (Python source) at start-up of every scheduler process spawned from now."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if 'specd.workers.scheduler_process' in sys.orig_argv:\n"
+        + textwrap.indent(textwrap.dedent(patch), "    "))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def run_specd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-P", "-m", "specd.daemon.main", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("option", ["--model", "--draft-model"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_model_option_is_a_configuration_error_naming_it(
+        option: str, value: str, tmp_path: Path) -> None:
+    result = run_specd("--socket", str(tmp_path / "s.sock"), option, value)
+    assert result.returncode == EXIT_CONFIG
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("specd: invalid configuration:") and f"({option} " in line
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_exits_78_naming_both_sizes(
+        tmp_path: Path) -> None:
+    model = tmp_path / "misfit"
+    model.mkdir()
+    for path in FIXTURE_DIR.iterdir():
+        if path.is_file() and path.name != "config.json":
+            (model / path.name).symlink_to(path)
+    config = json.loads((FIXTURE_DIR / "config.json").read_text())
+    tokenizer_size = config["vocab_size"]  # the fixture's tokenizer has exactly this many
+    config["vocab_size"] = tokenizer_size - 96
+    (model / "config.json").write_text(json.dumps(config))
+    daemon = Daemon(tmp_path, "--model", str(model))
+    try:
+        assert daemon.wait(60) == EXIT_CONFIG
+        (record,) = daemon.events("config_error")
+        assert f"{tokenizer_size} tokens" in record["msg"]
+        assert f"{tokenizer_size - 96} rows" in record["msg"]
+        assert not daemon.events("scheduler_spawned")  # named before any weight is read
+    finally:
+        daemon.stop()
+
+
+def test_a_code_bug_in_warm_up_exits_70_not_78(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    plant_in_scheduler(tmp_path, monkeypatch, """
+        import specd.workers.engine as engine
+
+        def warmup(self):
+            return self.planted_attribute  # the incident's shape: never assigned
+
+        engine.EngineCore.warmup = warmup
+    """)
+    daemon = Daemon(tmp_path)
+    try:
+        assert daemon.wait(240) == EXIT_SOFTWARE
+        (record,) = daemon.events("scheduler_failed")
+        assert "stage warmup" in record["msg"] and "AttributeError" in record["msg"]
+        assert "planted_attribute" in record["scheduler_traceback"]
+        assert record["exit_code"] == EXIT_SOFTWARE
+    finally:
+        daemon.stop()
+
+
+def test_a_configuration_error_while_loading_stays_78(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    plant_in_scheduler(tmp_path, monkeypatch, """
+        import specd.workers.engine as engine
+
+        def init(self, config):
+            raise ValueError("kv_cache_memory_bytes leaves no KV block (planted)")
+
+        engine.EngineCore.__init__ = init
+    """)
+    daemon = Daemon(tmp_path)
+    try:
+        assert daemon.wait(240) == EXIT_CONFIG
+        (record,) = daemon.events("scheduler_failed")
+        assert "stage load" in record["msg"] and "planted" in record["msg"]
+    finally:
+        daemon.stop()
