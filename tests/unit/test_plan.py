@@ -1,0 +1,313 @@
+"""`specctl plan` (workers/plan.py, workers/plan_weights.py, daemon/ctl/plan.py).
+
+Oracles: the tensors the engine actually builds and loads (parameters and buffers of the
+target and the EAGLE-3 head, each storage counted once; the KV tensors it allocates), a
+Kimi-K2-shaped model built on the meta device (every parameter's bytes without memory), and
+the per-GPU figures of ../shared/notes/mla_moe_tp.md §5 computed from the published config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import specd
+from specd.daemon.ctl.cli import cli
+from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES
+from specd.workers.layers import dense_linear
+from specd.workers.loader import load_model
+from specd.workers.model_config import ModelConfig
+from specd.workers.models import build_meta_model
+from specd.workers.plan import Plan, PlanOptions, make_plan
+from specd.workers.quantization import linear_factory_for
+from specd.workers.spec.draft_model import load_draft_head
+
+GIB = 2**30
+KIMI_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
+# Kimi-K2's published values (../shared/notes/mla_moe_tp.md §1.1, K2-Instruct's rope).
+KIMI_K2: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+    "hidden_size": 7168, "num_hidden_layers": 61, "first_k_dense_replace": 1,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.827, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "moe_layer_freq": 1, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 163840, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+    "bos_token_id": 163584, "eos_token_id": 163585, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "attention_bias": False,
+    "quantization_config": KIMI_QUANTIZATION,
+}
+
+
+def _write_config(root: Path, config: dict[str, Any]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture()
+def kimi_dir(tmp_path: Path) -> Path:
+    return _write_config(tmp_path / "kimi-k2", KIMI_K2)
+
+
+def _storage_bytes(*modules: nn.Module, exclude: set[int] | None = None) -> int:
+    """Bytes of every parameter and buffer, each storage once (a shared one counts once)."""
+    seen = set(exclude or ())
+    total = 0
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def _ptrs(module: nn.Module) -> set[int]:
+    return {t.data_ptr() for t in [*module.parameters(), *module.buffers()]}
+
+
+def _plan(model: str, **options: Any) -> Plan:
+    model_dir, draft_dir = FIXTURES[model] if model in FIXTURES else (Path(model), None)
+    return make_plan(model_dir, draft_dir, PlanOptions(gpu_memory_bytes=GIB, **options))
+
+
+def _part(plan: Plan, kind: str) -> int:
+    return sum(p.bytes for p in plan.parts if p.kind.startswith(kind + " ("))
+
+
+def _run(*args: str) -> Any:
+    result = CliRunner().invoke(cli, ["plan", *args])
+    return result
+
+
+# ---- N = 1 against the engine ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["fixture", "fixture-moe"])
+def test_plan_weights_and_kv_equal_what_the_engine_loads_and_allocates(model: str) -> None:
+    engine = specd.Engine(model, dtype="float32")
+    runner, worker = engine.core.runner, engine.core.worker
+    plan = _plan(model, dtype="float32")
+
+    target = runner.model
+    head_bytes = _storage_bytes(worker.head, exclude=_ptrs(target))
+    assert plan.weight_bytes == _storage_bytes(target) + head_bytes
+    assert _part(plan, "draft head") == head_bytes
+    assert _part(plan, "embedding") == target.model.embed_tokens.weight.nbytes
+    assert _part(plan, "lm_head") == target.lm_head.weight.nbytes
+    tokens = runner.num_kv_blocks * engine.config.block_size
+    assert plan.kv_bytes_per_token * tokens == sum(t.nbytes for t in runner.kv_caches)
+    assert plan.draft_kv_bytes_per_token * tokens == worker.draft_kv.nbytes
+    if model == "fixture-moe":
+        layers = target.model.layers
+        moe_layers = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+        assert _part(plan, "routed experts") == sum(_storage_bytes(m.experts) for m in moe_layers)
+        assert _part(plan, "router") == sum(_storage_bytes(m.gate) for m in moe_layers)
+        assert _part(plan, "absorbed W_UK/W_UV") == sum(
+            a.w_uk.nbytes + a.w_uv.nbytes for a in (layer.self_attn for layer in layers))
+
+
+def test_bfloat16_plan_keeps_the_router_in_float32_as_the_loader_does() -> None:
+    cfg = ModelConfig.from_dir(FIXTURE_MOE_DIR)
+    target = load_model(cfg, torch.device("cpu"), torch.bfloat16)
+    head = load_draft_head(FIXTURES["fixture-moe"][1], target.model.embed_tokens.weight,
+                           dtype=torch.bfloat16)
+    plan = _plan("fixture-moe", dtype="bfloat16")
+
+    assert plan.weight_bytes == _storage_bytes(target, head)
+    router = [p for p in plan.parts if p.kind.startswith("router")]
+    assert [p.kind for p in router] == ["router (float32)"]
+    assert router[0].bytes == sum(_storage_bytes(layer.mlp.gate) for layer in
+                                  target.model.layers if hasattr(layer.mlp, "gate"))
+
+
+@pytest.fixture(scope="module")
+def int4_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dense fixture quantized by tools/quantize.py: INT4 decoder linears (group 32) but
+    down_proj, whose 688 inputs are not whole groups, and lm_head, kept bf16."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import quantize as quantize_tool
+
+    dst = tmp_path_factory.mktemp("int4") / "fixture-int4"
+    assert quantize_tool.main([str(FIXTURE_DIR), str(dst), "--group-size", "32",
+                              "--ignore", "re:.*down_proj"]) == 0
+    return dst
+
+
+def test_int4_plan_equals_the_int4_linears_the_loader_builds(int4_fixture: Path) -> None:
+    cfg = ModelConfig.from_dir(int4_fixture)
+    factory = linear_factory_for(cfg.quantization_config, dense_linear)
+    target = load_model(cfg, torch.device("cpu"), torch.bfloat16, factory)
+    plan = make_plan(int4_fixture, None, PlanOptions(gpu_memory_bytes=GIB))
+
+    assert plan.weight_bytes == _storage_bytes(target)
+    assert [p.kind for p in plan.parts if "INT4" in p.kind] == ["attention (INT4)",
+                                                                 "MLP (INT4 + bfloat16)"]
+    assert _part(plan, "lm_head") == target.lm_head.weight.nbytes  # ignored: stays bf16
+
+
+# ---- the full Kimi-K2 shape -------------------------------------------------------------
+
+
+def test_unquantized_kimi_k2_plan_equals_the_model_built_on_the_meta_device(
+        tmp_path: Path) -> None:
+    config = {k: v for k, v in KIMI_K2.items() if k != "quantization_config"}
+    model_dir = _write_config(tmp_path / "kimi-bf16", config)
+    model = build_meta_model(ModelConfig.from_dir(model_dir), torch.device("cpu"))
+    model.to(torch.bfloat16)  # the loader's cast; the router keeps float32
+    expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    plan = make_plan(model_dir, None, PlanOptions(gpu_memory_bytes=GIB))
+
+    assert plan.weight_bytes == expected
+    assert 1.026e12 < sum(p.numel() for p in model.parameters()) < 1.027e12  # "1.03T"
+
+
+def test_kimi_k2_int4_on_8_h200_fits_with_the_note_per_gpu_figures(kimi_dir: Path) -> None:
+    result = _run(str(kimi_dir), "--tensor-parallel-size", "8", "--gpu-memory-gib", "141",
+                  "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    weights = {kind.rpartition(" (")[0]: part["bytes"] for kind, part in plan["weights"].items()}
+
+    # The note's TP8 table (GB = 1e9 B), to its two decimals; the router is float32 here
+    # (the engine keeps it so), twice the note's bf16 0.33 GB.
+    note_gb = {"routed experts": 71.35, "attention, replicated": 1.85, "attention, split": 1.31,
+               "dense MLP": 0.10, "shared experts": 0.66, "router": 0.66,
+               "absorbed W_UK/W_UV": 0.13}
+    for kind, gb in note_gb.items():
+        assert weights[kind] / 1e9 == pytest.approx(gb, abs=0.006), kind
+    assert (weights["embedding"] + weights["lm_head"]) / 1e9 == pytest.approx(0.59, abs=0.006)
+    assert plan["weight_bytes"] / 1e9 == pytest.approx(76.3 + 0.33, abs=0.02)
+    assert plan["kv_bytes_per_token"] == 70_272  # 61 layers x 576 x 2 B, whole on each rank
+    assert plan["fits"] is True
+    # The note: 607 k tokens per GPU at 141e9 B, 733 k at 150.8e9 B; 141 GiB is 151.4e9 B
+    # with an 8 GiB (not 8 GB) reserve and the float32 router.
+    assert 607_000 <= plan["kv_tokens"] <= 733_000
+    assert plan["serve_command"].endswith(
+        f"--tensor-parallel-size 8 --dtype bfloat16 --block-size 16 "
+        f"--kv-cache-memory-bytes {plan['kv_budget_bytes']}")
+
+
+def test_kimi_k2_table_names_each_kind_and_the_verdict(kimi_dir: Path) -> None:
+    result = _run(str(kimi_dir), "-tp", "8", "--gpu-memory-gib", "141")
+    assert result.exit_code == 0, result.output
+    for text in ("routed experts (INT4)", "each expert's width split 8 ways",
+                 "attention, replicated (bfloat16)", "vocabulary split 8 ways (20480 rows each)",
+                 "70272 bytes per token", "verdict      fits:", "serve with   specd --model"):
+        assert text in result.output, text
+
+
+def test_expert_parallel_holds_48_whole_experts_and_the_same_bytes_per_gpu(
+        kimi_dir: Path) -> None:
+    options = {"gpu_memory_bytes": 141 * GIB, "tensor_parallel_size": 8}
+    tp = make_plan(kimi_dir, None, PlanOptions(**options))
+    ep = make_plan(kimi_dir, None, PlanOptions(**options, expert_parallel=True))
+    experts = [p for p in ep.parts if p.kind.startswith("routed experts")]
+    assert experts[0].placement == "48 whole experts per rank"
+    assert ep.weight_bytes == tp.weight_bytes  # the note: EP8 + TP8 attention, same total
+
+
+def test_kimi_k2_on_four_gpus_does_not_fit(kimi_dir: Path) -> None:
+    result = _run(str(kimi_dir), "-tp", "4", "--gpu-memory-gib", "141", "--json")
+    plan = json.loads(result.output)
+    assert result.exit_code == 0
+    assert plan["fits"] is False and plan["serve_command"] is None
+    assert plan["verdict"].startswith("does not fit: weights and reserve exceed")
+
+
+# ---- splitting ----------------------------------------------------------------------------
+
+
+def test_two_ranks_halve_the_split_weights_and_keep_the_replicated_ones() -> None:
+    one, two = _plan("fixture", dtype="float32"), _plan("fixture", dtype="float32",
+                                                       tensor_parallel_size=2)
+    for kind in ("attention", "MLP", "embedding", "lm_head"):
+        assert _part(two, kind) * 2 == _part(one, kind), kind
+    assert _part(two, "norms") == _part(one, "norms")
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token  # 1 of 2 KV heads per rank
+
+
+def test_more_ranks_than_kv_heads_replicate_one_kv_head_per_rank() -> None:
+    # The fixture has 4 q heads and 2 KV heads: at 4 ranks each holds 1 q head and 1 KV head.
+    two, four = (_plan("fixture", tensor_parallel_size=n) for n in (2, 4))
+    assert four.kv_bytes_per_token == two.kv_bytes_per_token
+    assert "KV heads replicated" in next(p.placement for p in four.parts
+                                         if p.kind.startswith("attention"))
+
+
+def test_draft_head_is_whole_on_rank_zero_with_its_own_embedding_copy_when_split() -> None:
+    one, two = _plan("fixture"), _plan("fixture", tensor_parallel_size=2)
+    cfg = ModelConfig.from_dir(FIXTURE_DIR)
+    embedding = cfg.vocab_size * cfg.hidden_size * 2  # bf16
+    assert _part(two, "draft head") == _part(one, "draft head") + embedding
+    assert two.draft_kv_bytes_per_token == one.draft_kv_bytes_per_token
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_a_directory_without_config_json_is_a_usage_error_naming_the_file(
+        tmp_path: Path) -> None:
+    result = _run(str(tmp_path), "--gpu-memory-gib", "80")
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'config.json'}: not found" in result.output
+
+
+def test_ranks_that_do_not_divide_the_heads_are_refused_naming_them() -> None:
+    result = _run("fixture", "-tp", "3", "--gpu-memory-gib", "80")
+    assert result.exit_code == 2
+    assert "num_attention_heads (4) is not divisible by the tensor-parallel size 3" in \
+        result.output
+
+
+def test_expert_parallel_ranks_that_do_not_divide_the_experts_are_refused(
+        tmp_path: Path) -> None:
+    config = {**KIMI_K2, "n_routed_experts": 380}
+    result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "8", "--expert-parallel",
+                  "--gpu-memory-gib", "141")
+    assert result.exit_code == 2
+    assert "n_routed_experts (whole experts per rank) (380) is not divisible" in result.output
+
+
+def test_int4_row_split_into_partial_groups_is_refused_naming_the_linear(
+        tmp_path: Path) -> None:
+    config = copy.deepcopy(KIMI_K2)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
+    result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "32",
+                  "--gpu-memory-gib", "141")
+    assert result.exit_code == 2
+    assert "model.layers.1.mlp.experts.down_proj: 64 input columns (per rank) are not whole " \
+           "INT4 groups of 128" in result.output
+
+
+def test_embedded_model_names_resolve_with_their_own_heads() -> None:
+    result = _run("fixture-moe", "--gpu-memory-gib", "1", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["model"] == str(FIXTURE_MOE_DIR)
+    assert plan["draft_model"] == str(FIXTURES["fixture-moe"][1])
+    assert "draft head (bfloat16)" in plan["weights"]

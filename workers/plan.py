@@ -1,0 +1,181 @@
+"""Deployment arithmetic from a model's config alone (`specctl plan`): what one GPU holds
+under N-way tensor (or expert) parallelism and how many KV tokens fit beside it.
+
+Reads `config.json` (its quantization_config too) and the draft head's `config.json`,
+never a weight. The bytes are those of the tensors the engine builds (workers/models/,
+workers/moe.py, workers/quantization.py, workers/spec/draft_model.py), per rank:
+
+* unquantized weights, norms and biases in the serving dtype; the MoE router (weight and
+  correction bias) in float32 whatever the dtype (moe.TopkRouter keeps it so);
+* an INT4 linear (quantization.Int4Linear): `weight_packed` int32 [out, in/8], `weight_scale`
+  [out, in/group] in the serving dtype, `weight_shape` int64 [2]; routed experts the same
+  per expert projection (kernels/moe_w4a16.py stacks them);
+* MLA's absorbed W_UK / W_UV: a second copy of kv_b_proj's local heads (buffers);
+* tensor parallel (the sharding the notes give, ../shared/notes/mla_moe_tp.md §4): q heads,
+  dense KV heads (whole heads, replicated when fewer than N), MLP widths and each expert's
+  width split N ways; q_a_proj, kv_a_proj_with_mqa, norms, row-parallel biases and the router
+  whole on every rank; embedding and lm_head split by vocabulary rows (ceil(V / N) each);
+  with expert parallelism, E / N whole routed experts per rank instead;
+* the EAGLE-3 head whole on the GPU of rank 0 (replicated, or run there alone: either way
+  that GPU holds all of it); it shares the target's embedding when its checkpoint has none
+  (one process, N = 1), and under N > 1 the plan counts a full copy of the embedding for it,
+  since a rank holds only a slice of the target's.
+
+KV cache per token: MLA's latent row [kv_lora_rank + rope] per layer, whole on every rank;
+dense K and V of the rank's KV heads per layer; plus the head's K/V (one layer, its KV heads).
+The memory left for the cache is gpu_memory * utilization - weights - reserve (activations,
+MoE workspace, captured graphs, communication buffers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specd.workers.model_config import ModelConfig
+from specd.workers.plan_weights import PlanOptions, WeightPart, draft_head_parts, target_parts
+from specd.workers.spec.draft_config import DraftConfig
+
+__all__ = ["Plan", "PlanOptions", "WeightPart", "make_plan", "read_config", "read_draft"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per GPU (rank 0, which holds at least what any other rank holds)."""
+
+    model_dir: Path
+    draft_dir: Path | None
+    options: PlanOptions
+    parts: tuple[WeightPart, ...]
+    kv_bytes_per_token: int  # the target's cache
+    draft_kv_bytes_per_token: int  # the EAGLE-3 head's K/V, same blocks
+    kv_layout: str
+    max_model_len: int
+    assumptions: tuple[str, ...] = field(default=())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.options.gpu_memory_bytes * self.options.utilization)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """What is left for the KV cache (negative when weights and reserve do not fit)."""
+        return self.usable_bytes - self.weight_bytes - self.options.reserve_bytes
+
+    @property
+    def num_kv_blocks(self) -> int:
+        block = self.options.block_size * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
+        return max(0, self.kv_budget_bytes // block)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.options.block_size
+
+    @property
+    def fits(self) -> bool:
+        """The weights and reserve fit, and the cache holds one longest sequence."""
+        return self.kv_tokens >= self.max_model_len
+
+    @property
+    def verdict(self) -> str:
+        if self.kv_budget_bytes <= 0:
+            return (f"does not fit: weights and reserve exceed the usable memory by "
+                    f"{-self.kv_budget_bytes} bytes; add GPUs or lower the reserve")
+        if not self.fits:
+            return (f"does not fit: the KV cache holds {self.kv_tokens} tokens, fewer than one "
+                    f"sequence of max_model_len {self.max_model_len}; lower --max-model-len "
+                    f"or add GPUs")
+        return (f"fits: {self.kv_tokens} KV tokens, {self.kv_tokens // self.max_model_len} "
+                f"sequences of max_model_len {self.max_model_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "model": str(self.model_dir), "draft_model": self.draft_dir and str(self.draft_dir),
+            "tensor_parallel_size": o.tensor_parallel_size, "expert_parallel": o.expert_parallel,
+            "dtype": o.dtype, "gpu_memory_bytes": o.gpu_memory_bytes,
+            "utilization": o.utilization, "usable_bytes": self.usable_bytes,
+            "weights": {p.kind: {"bytes": p.bytes, "placement": p.placement}
+                        for p in self.parts},
+            "weight_bytes": self.weight_bytes, "reserve_bytes": o.reserve_bytes,
+            "kv_budget_bytes": self.kv_budget_bytes, "kv_layout": self.kv_layout,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
+            "block_size": o.block_size, "num_kv_blocks": self.num_kv_blocks,
+            "kv_tokens": self.kv_tokens, "max_model_len": self.max_model_len,
+            "fits": self.fits, "verdict": self.verdict, "assumptions": list(self.assumptions),
+        }
+
+
+def read_config(model_dir: Path) -> tuple[ModelConfig, Mapping[str, Any] | None]:
+    """(the architecture, the raw quantization_config or None) of `model_dir/config.json`.
+
+    ModelConfig is parsed without the quantization config: the plan needs the shapes from it
+    and reads which linears are INT4 from the quantization config itself."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: not found (a model directory needs its config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    text = raw.get("text_config")
+    quant = raw.get("quantization_config") or (
+        text.get("quantization_config") if isinstance(text, dict) else None)
+    stripped = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if isinstance(text, dict):
+        stripped["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
+    generation_path = model_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    return ModelConfig.from_dict(stripped, model_dir, generation), quant
+
+
+def read_draft(draft_dir: Path) -> tuple[DraftConfig, bool]:
+    """(the head's config, whether its checkpoint carries its own embedding). The second comes
+    from the safetensors header (tensor names, no weights); without a weights file the head
+    is taken to share the target's embedding, as published heads do."""
+    path = draft_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"draft model: {path} not found")
+    try:
+        config = DraftConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    return config, "embed_tokens.weight" in _tensor_names(draft_dir / "model.safetensors")
+
+
+def _tensor_names(path: Path) -> set[str]:
+    """Tensor names of a safetensors file from its header (8-byte length, then JSON), with
+    the head loader's `model.` prefix dropped; empty when the file is absent."""
+    if not path.is_file():
+        return set()
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name.removeprefix("model.") for name in header if name != "__metadata__"}
+
+
+def make_plan(model_dir: Path, draft_dir: Path | None, options: PlanOptions) -> Plan:
+    """The plan for serving `model_dir` (with the head in `draft_dir`, if any); ValueError
+    naming the value when the model cannot be split N ways or a config is unreadable."""
+    cfg, quant = read_config(model_dir)
+    parts, kv_per_token, kv_layout, assumptions = target_parts(cfg, quant, options)
+    draft_kv = 0
+    if draft_dir is not None:
+        draft, has_embedding = read_draft(draft_dir)
+        part, draft_kv, note = draft_head_parts(draft, has_embedding, options)
+        parts, assumptions = (*parts, part), (*assumptions, note)
+    return Plan(model_dir=model_dir, draft_dir=draft_dir, options=options, parts=parts,
+                kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv,
+                kv_layout=kv_layout,
+                max_model_len=options.max_model_len or cfg.max_model_len,
+                assumptions=assumptions)
