@@ -48,7 +48,12 @@ ENGINE_HELP = {
     "dtype": f"activation dtype: auto (the checkpoint's bfloat16/float16 on cuda and on a "
              f"cpu with AVX512-BF16 or AMX, else float32) or one of {DTYPES}.",
     "block_size": "tokens per KV-cache block (a power of two).",
-    "kv_cache_memory_bytes": "memory budget of the paged KV cache, in bytes.",
+    "kv_cache_memory_bytes": "memory budget of the paged KV cache, in bytes; default: on "
+                             "cuda, --gpu-memory-utilization of the device memory free after "
+                             "the weights and the activation peak; on cpu, 256 MiB.",
+    "gpu_memory_utilization": "on cuda without --kv-cache-memory-bytes: the fraction of the "
+                              "device memory free after the weights and the profiled "
+                              "activation peak that the KV cache and graphs may take.",
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget).",
     "max_num_seqs": "most sequences in one batch.",
     "max_num_batched_tokens": "most tokens computed in one step (chunked prefill).",
@@ -145,6 +150,8 @@ def _option(name: str, annotation: Any, default: Any, help_text: str) -> Any:
                             + f" [default: {default:o}]")
     click_type, metavar = {int: (int, "INTEGER"), float: (float, "SECONDS"),
                            Path: (click.Path(path_type=Path), "PATH")}.get(base, (str, "TEXT"))
+    if base is float and not name.endswith("_s"):
+        metavar = "FRACTION"  # the float options are times (..._s) and fractions
     if optional and base in (int, float):
         click_type = _NumberOrNone(base)
     if optional:

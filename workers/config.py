@@ -22,6 +22,8 @@ FIXTURES = {
 }
 
 DTYPES = ("bfloat16", "float16", "float32")
+# The KV budget on the CPU when kv_cache_memory_bytes is not given (kv_cache.kv_budget).
+CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class EngineConfig:
         `model_runner.resolve_dtype`; the checkpoint's half precision where the device
         computes it natively, float32 otherwise).
     kv_cache_memory_bytes: budget for the paged KV cache; the block count follows from it.
+        None: on CUDA, gpu_memory_utilization of the device memory free after the weights,
+        less the profiled activation peak; on the CPU, CPU_KV_CACHE_BYTES (kv_cache.py).
+    gpu_memory_utilization: the fraction of that free CUDA memory the KV cache (with the
+        draft head's K/V and captured graphs) may take; in (0, 1].
     num_kv_blocks: overrides the budget with an exact block count (tests force preemption).
     """
 
@@ -44,7 +50,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory_bytes: int = 256 * 2**20
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -89,8 +96,11 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
@@ -165,3 +175,8 @@ class EngineResolved:
     # The target's paged cache per token over all layers (K/V, or MLA's latent rows); the
     # draft head's own K/V comes on top, from the same budget.
     kv_bytes_per_token: int = 0
+    # The KV budget in bytes and where it comes from (kv_cache.kv_budget; with num_kv_blocks
+    # set, the bytes those blocks take), and the tokens the cache holds (blocks x size).
+    kv_budget_bytes: int = 0
+    kv_budget_source: str = ""
+    kv_cache_tokens: int = 0

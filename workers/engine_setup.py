@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig, EngineResolved
-from specd.workers.kv_cache import kv_bytes_per_token
+from specd.workers.kv_cache import KvBudget, kv_block_bytes, kv_bytes_per_token
 from specd.workers.model_config import ModelConfig
 from specd.workers.model_runner import ModelRunner
 from specd.workers.plain_worker import PlainWorker, StepWorker
@@ -52,6 +52,10 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
 def engine_resolved(core: EngineCore) -> EngineResolved:
     """What `core` found at start-up (`EngineCore.resolved`)."""
     config, runner, worker = core.config, core.runner, core.worker
+    budget = runner.kv_budget
+    if config.num_kv_blocks is not None:  # the budget did not decide: report the blocks'
+        budget = KvBudget(runner.num_kv_blocks * kv_block_bytes(
+            core.model_config, config.block_size, runner.dtype), "num_kv_blocks")
     return EngineResolved(
         model_name=config.model_path.name,
         num_kv_blocks=runner.num_kv_blocks,
@@ -65,6 +69,9 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         graphs=worker.graphs_status(),
         graph_memory_bytes=worker.graph_memory_bytes,
         kv_bytes_per_token=kv_bytes_per_token(core.model_config, runner.dtype),
+        kv_budget_bytes=budget.num_bytes,
+        kv_budget_source=budget.source,
+        kv_cache_tokens=runner.num_kv_blocks * config.block_size,
     )
 
 

@@ -26,9 +26,16 @@ from specd.workers.graph_backend import (
 )
 from specd.workers.graphs import GraphRunner, GraphShape
 from specd.workers.host_copy import HostCopy, upload
-from specd.workers.kv_cache import allocate_kv_cache, kv_block_bytes, num_kv_blocks
+from specd.workers.kv_cache import (
+    DeviceMemory,
+    allocate_kv_cache,
+    kv_block_bytes,
+    kv_budget,
+    num_kv_blocks,
+)
 from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.loader import load_model
+from specd.workers.memory_profile import measure_device_memory
 from specd.workers.model_config import ModelConfig
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.step_inputs import StepInputs, prepare_inputs
@@ -73,7 +80,8 @@ class ModelRunner:
     verify_shape: (query_len, tree_mask) of the speculative worker's verification, captured
     beside plain decode when graphs are on (`config.graphs_enabled`), compiled beside it
     with `cpu_compile`. Graphs get one KV block past `num_kv_blocks` (padding rows) and
-    their memory comes out of the KV-cache budget.
+    their memory comes out of the KV-cache budget, `kv_budget` (kv_cache.kv_budget: on CUDA
+    profiled here, after the weights load; memory_profile.py).
     extra_kv_elements_per_token: a cache the caller allocates with `num_kv_blocks` blocks
     (the draft head's K/V), paid from the same budget.
     """
@@ -93,6 +101,9 @@ class ModelRunner:
         if make_linear is None:
             make_linear = _linear_factory(self.model_config)
         self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
+        # The KV budget, profiled on CUDA unless given (kv_cache.kv_budget); before the
+        # trial capture below, whose graphs' memory is then taken from it.
+        self.kv_budget = kv_budget(config, self._device_memory())
         shapes = graph_shapes(config.max_num_seqs, verify_shape) if config.graphs_enabled else ()
         failed: GraphRunner | None = None  # a trial capture that failed (logged)
         reserved = 0
@@ -110,7 +121,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype, reserved,
-                                           extra_kv_elements_per_token)
+                                           extra_kv_elements_per_token, self.kv_budget)
         # With graphs, one block more than the scheduler owns: the padding rows' (graphs.py).
         self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
         self.backend = self._make_backend(
@@ -228,6 +239,18 @@ class ModelRunner:
         """The longest sequence the configuration allows (before any KV-cache cap)."""
         limit = self.model_config.max_model_len
         return min(self.config.max_model_len or limit, limit)
+
+    def _device_memory(self) -> DeviceMemory | None:
+        """The device's memory after the weights and a profiling forward at the largest
+        step (memory_profile.py): on CUDA when the budget is not given, else None."""
+        config = self.config
+        if (self.device.type != "cuda" or config.kv_cache_memory_bytes is not None
+                or config.num_kv_blocks is not None):
+            return None
+        return measure_device_memory(self.model, self.capture_layers, self._allocate_kv,
+                                     config.block_size, self.model_config.vocab_size,
+                                     config.max_num_batched_tokens,
+                                     config.max_num_seqs, self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,

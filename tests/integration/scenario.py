@@ -29,6 +29,9 @@ def run(overlap: bool, **options: Any) -> tuple[dict[str, list[int]], EngineCore
     after_build = options.pop("_after_build", None)  # called with the core before step 0
     # float32, so that a batch of another shape cannot round a near-tie differently.
     options.setdefault("dtype", "float32")
+    # A fixed KV budget: tests hold several engines at once, and on CUDA the default
+    # budget is a fraction of the whole device's free memory (kv_cache.kv_budget).
+    options.setdefault("kv_cache_memory_bytes", 256 * 2**20)
     core = EngineCore(EngineConfig(max_num_batched_tokens=64, overlap_schedule=overlap,
                                    **options))
     if explore_every is not None and core.spec is not None:

@@ -161,7 +161,7 @@ def test_the_draft_cache_is_paid_from_the_kv_budget() -> None:
     assert spec.spec is not None
     target = spec.runner.kv_caches[0].nbytes * len(spec.runner.kv_caches)
     used = target + spec.spec.draft_kv.nbytes
-    assert used <= spec.config.kv_cache_memory_bytes
+    assert used <= spec.runner.kv_budget.num_bytes
 
 
 def test_capture_sizes_and_padding() -> None:
@@ -185,7 +185,8 @@ def test_cuda_graphs_give_the_eager_output_at_captured_sizes(mode: str) -> None:
     outs = {}
     for graphs in (False, True):
         engine = specd.Engine(device="cuda", dtype="bfloat16", cuda_graphs=graphs,
-                              spec_auto_measure=False, **MODES[mode])
+                              spec_auto_measure=False, kv_cache_memory_bytes=256 * 2**20,
+                              **MODES[mode])
         done = engine.generate(prompts, specd.SamplingParams(max_tokens=48, ignore_eos=True))
         outs[graphs] = [o.token_ids for o in done]
         captured = _graphs(engine.core)
