@@ -34,6 +34,9 @@ CONCURRENCIES = (1, 2)
 PAIRED_CYCLES = 2
 PAIRED_WINDOW_S = 0.5
 BATCH1_PAIRS = 2
+
+# Minutes on two cores (a real daemon, the sweep, the transformers baseline): the second tier.
+pytestmark = pytest.mark.slow
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_KEYS = {"benchmark", "date", "command", "machine", "load_average_1m_after", "daemon",
                "config", "points", "medians", "paired", "batch1_pairs", "skipped_modes",

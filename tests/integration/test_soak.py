@@ -812,6 +812,7 @@ def _tokenizer() -> HFTokenizer:
     return HFTokenizer.from_file(str(Path(model_under_test() or FIXTURE_DIR) / "tokenizer.json"))
 
 
+@pytest.mark.slow  # about a minute
 def test_soak_and_fuzz_32_clients(daemon: Daemon) -> None:
     with daemon.client() as client:
         resolved = client.status().resolved

@@ -576,6 +576,7 @@ def _run_tier(family: str, tier: str) -> None:
         "triton's bundled ptxas produced no cubin"
 
 
+@pytest.mark.slow  # about three minutes of compiling over all families on two cores
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernels_compile_for_sm90(family: str) -> None:
     _run_tier(family, "main")
