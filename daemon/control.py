@@ -102,22 +102,41 @@ class Control:
         finally:
             self._queries.pop(query_id, None)
 
-    async def _engine_stats(self) -> dict[str, Any]:
-        if self.front.state is not State.READY:
-            return {}
+    def probe(self) -> None:
+        """Ask the scheduler for its figures without waiting (the front's idle watchdog: the
+        answer moves `Front.last_heard`; no one reads it)."""
+        self._next_query_id += 1
         try:
-            reply = await self._query(lambda q: m.QueryStats(q))
-        except (TimeoutError, LinkSendError) as exc:
-            return {"error": f"the scheduler did not answer: {exc!r}"}
-        return reply.result
+            self.front.scheduler.send(m.QueryStats(self._next_query_id))
+        except LinkSendError as exc:  # its inbox is full: the watchdog will see no answer
+            log_event(log, logging.WARNING, "probe_not_sent", f"cannot ask the scheduler: {exc}")
+
+    async def _engine_stats(self) -> dict[str, Any]:
+        """The scheduler's figures; while it does not answer (or its process is stopped,
+        which is not asked), what the front knows instead: `error` and the process state."""
+        front = self.front
+        if front.state not in (State.READY, State.DRAINING):
+            return {}
+        scheduler = front.scheduler
+        error = "the scheduler did not answer"
+        if not scheduler.is_stopped:
+            try:
+                return (await self._query(lambda q: m.QueryStats(q))).result
+            except (TimeoutError, LinkSendError) as exc:
+                error += f" ({type(exc).__name__} after {QUERY_TIMEOUT_S:g} s)"
+        return {"error": error, "scheduler_pid": scheduler.pid,
+                "scheduler_process": scheduler.process_state()}
 
     async def _reply_status(self, connection: Connection, query_id: int) -> None:
         engine = await self._engine_stats()
         front = self.front
         ready = front.ready
+        # A scheduler that does not answer is reported, not hidden behind `ready`: the
+        # watchdog fails the daemon if it stays silent for the hang timeout.
+        is_unresponsive = "error" in engine or front.is_unresponsive
         connection.send(m.StatusReply(
             id=query_id,
-            state=front.state.value,
+            state="unresponsive" if is_unresponsive else front.state.value,
             protocol=m.PROTOCOL_VERSION,
             version=specd.__version__,
             uptime_s=time.monotonic() - front.started,

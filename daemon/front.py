@@ -42,6 +42,8 @@ from specd.tokenizer import Tokenizer
 log = logging.getLogger("specd.front")
 
 TICK_S = 0.1
+PROBE_INTERVAL_S = 5.0  # an idle scheduler is asked for its figures this often (at most)
+PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive
 EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
 STACK_DUMP_WAIT_S = 0.5
 SHUTDOWN_WAIT_S = 5.0
@@ -71,6 +73,8 @@ class Front:
         self.ready: m.Ready | None = None
         self.scheduler_stage = "spawn"
         self.last_progress = time.monotonic()
+        self.last_heard = time.monotonic()  # the scheduler's last message of any kind
+        self.last_probe = 0.0
         self.last_watchdog = 0.0
         self.last_extend = time.monotonic()
         self.is_hung = False
@@ -163,15 +167,39 @@ class Front:
             return
         if self.state is State.FAILED:
             return
-        is_stalled = (self.table.num_submitted > 0
-                      and now - self.last_progress > self.config.hang_timeout_s)
+        # Busy, a hang is no step output; idle, no answer to the probes (an idle scheduler
+        # blocks on its inbox, so only a question shows that it still could answer).
+        is_busy = self.table.num_submitted > 0
+        stalled_s = now - (self.last_progress if is_busy else self.last_heard)
+        is_stalled = stalled_s > self.config.hang_timeout_s
+        if not is_busy:
+            self._probe_if_quiet(now)
         if is_stalled and not self.is_hung:
             self.is_hung = True
-            self.spawn(self._on_hang(now - self.last_progress))
+            self.spawn(self._on_hang(stalled_s, is_busy))
         interval = self.lifecycle.watchdog_interval
         if interval is not None and now - self.last_watchdog >= interval:
             self.last_watchdog = now
             self.lifecycle.alive(not is_stalled, self._summary())
+
+    def _probe_if_quiet(self, now: float) -> None:
+        """Ask the idle scheduler for its figures when it has been quiet for a probe
+        interval (a third of the hang timeout, at most PROBE_INTERVAL_S); its answer, like
+        any message, moves `last_heard`."""
+        interval = min(PROBE_INTERVAL_S, self.config.hang_timeout_s / 3)
+        if now - max(self.last_heard, self.last_probe) >= interval:
+            self.last_probe = now
+            self.control.probe()
+
+    @property
+    def is_unresponsive(self) -> bool:
+        """The scheduler owes an answer: a probe went unanswered for a probe interval, or
+        its process is stopped (SIGSTOP, a debugger). Status then reports `unresponsive`."""
+        if self.state not in (State.READY, State.DRAINING):
+            return False
+        now = time.monotonic()
+        unanswered = self.last_probe > self.last_heard and now - self.last_probe > PROBE_ANSWER_S
+        return unanswered or self.scheduler.is_stopped
 
     def _summary(self) -> str:
         return f"{len(self.table)} open requests, {len(self.connections)} connections"
@@ -239,13 +267,15 @@ class Front:
         self.scheduler.kill()
         self._finish_run(code)
 
-    async def _on_hang(self, stalled_s: float) -> None:
+    async def _on_hang(self, stalled_s: float, is_busy: bool) -> None:
         self.scheduler.request_stack_dump()
         await asyncio.sleep(STACK_DUMP_WAIT_S)
         stacks = self.scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
+        what = (f"no progress for {stalled_s:.1f} s with {len(self.table)} open requests"
+                if is_busy else f"no answer for {stalled_s:.1f} s while idle")
         self._fail(EXIT_SCHEDULER_FAILED,
-                   f"scheduler hung: no progress for {stalled_s:.1f} s with "
-                   f"{len(self.table)} open requests", traceback=stacks)
+                   f"scheduler hung: {what}; process {self.scheduler.pid} is "
+                   f"{self.scheduler.process_state()}", traceback=stacks)
 
     def _on_scheduler_exit(self) -> None:
         self.scheduler.stop_watching()
@@ -268,6 +298,7 @@ class Front:
     async def _pump(self) -> None:
         while True:
             message = await self.scheduler.receive()
+            self.last_heard = time.monotonic()
             try:
                 self._on_scheduler_message(message)
             except Exception as exc:  # noqa: BLE001 - a front bug: report it and exit
@@ -284,6 +315,9 @@ class Front:
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
+            if message.code_version and message.code_version != self.code_version:
+                self._refuse_other_code(message)
+                return
             self.scheduler_stage = message.stage
             self.lifecycle.starting(f"scheduler: {message.stage}")
             log_event(log, logging.INFO, "scheduler_stage", f"scheduler: {message.stage}")
@@ -296,6 +330,15 @@ class Front:
                        traceback=message.traceback)
         elif isinstance(message, m.Stopped):
             log_event(log, logging.INFO, "scheduler_stopped", "scheduler stopped")
+
+    def _refuse_other_code(self, stage: m.StartupStage) -> None:
+        """The scheduler imported other code than the front (exit 78, before it loads)."""
+        files = provenance.differing_files(provenance.file_digests(), stage.file_digests)
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        self._fail(EXIT_CONFIG, f"scheduler code version {stage.code_version} (from "
+                   f"{stage.source_root}) differs from the front's {self.code_version} (from "
+                   f"{provenance.package_dirs()['specd']}): a stale or mixed installation; "
+                   f"files that differ: {shown}; reinstall specd and restart")
 
     def _on_ready(self, ready: m.Ready) -> None:
         if ready.code_version != self.code_version:

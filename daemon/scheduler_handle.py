@@ -33,6 +33,17 @@ from specd.workers.config import EngineConfig
 
 log = logging.getLogger("specd.front")
 
+# /proc/PID/stat's state letter (proc(5)), in the words status and the hang record use.
+PROCESS_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible sleep (state D: waiting on the kernel or a device)",
+    "T": "stopped (state T: SIGSTOP or SIGTSTP; SIGCONT resumes it)",
+    "t": "stopped by a debugger (state t)",
+    "Z": "a zombie (state Z: exited, not reaped yet)",
+    "X": "dead (state X)",
+}
+
 
 class SchedulerHandle:
     """A running scheduler process and the two sockets that reach it."""
@@ -81,6 +92,21 @@ class SchedulerHandle:
     def returncode(self) -> int | None:
         """The exit status (negative: killed by that signal), None while running."""
         return self.process.poll()
+
+    def process_state(self) -> str:
+        """What the kernel says the process is doing (/proc/PID/stat), in words: "running",
+        "stopped (state T: SIGSTOP or SIGTSTP)", ... or "gone" once it exited."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return "gone"
+        code = stat[stat.rindex(")") + 2]  # the field after the command name, which may hold ")"
+        return PROCESS_STATES.get(code, f"in state {code}")
+
+    @property
+    def is_stopped(self) -> bool:
+        """Stopped by a signal or a debugger: it cannot answer until continued."""
+        return self.process_state().startswith("stopped")
 
     def request_stack_dump(self) -> None:
         """Ask the scheduler's faulthandler to write every thread's stack (SIGUSR1)."""

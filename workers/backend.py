@@ -15,6 +15,10 @@ between forwards to do that faster. Three satisfy the interface:
 
 The runner picks one (`ModelRunner._make_backend`); nothing outside the backends tests
 which one it has.
+
+A capture or compilation that fails is one of the documented fallbacks: the part runs
+eagerly from then on, the failure is logged once (an ERROR record with the traceback) and
+`Backend.fallbacks` names it with its reason, for `specctl status` and `specctl doctor`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,15 @@ class StepForward:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """A documented degraded mode in force: `name` is the option whose work now runs eagerly
+    and the part ("cuda_graphs", "cpu_compile_draft_loop", ...), `reason` the failure."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class DraftLoopShape:
     """What a backend needs to prepare the draft loop: the head's hidden size and dtype,
     the most sequences a step drafts for and the longest sequence."""
@@ -81,6 +94,10 @@ class DraftLoopRunner(ABC):
     def status(self) -> str:
         """One part of `specctl status`; empty when the loop runs eagerly by design."""
         return ""
+
+    def fallback(self) -> Fallback | None:
+        """Set when a capture or compilation of the loop failed and it runs eagerly."""
+        return None
 
 
 class EagerDraftLoop(DraftLoopRunner):
@@ -114,6 +131,7 @@ class Backend(ABC):
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = kv_caches[0].device
+        self.draft_loops: list[DraftLoopRunner] = []  # made by draft_loop_runner
 
     def forward_step(self, batch: ScheduledBatch, input_ids: InputIds) -> StepForward:
         """A plain step (no drafts) over `batch`: one forward over `prepare_inputs`."""
@@ -132,14 +150,31 @@ class Backend(ABC):
         """The cache was written outside this backend's forwards (K/V moved, a step that
         failed half way): forget whatever was derived from it."""
 
-    @abstractmethod
     def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
-        """How the draft head's loop runs on this backend (called once, by the worker)."""
+        """How the draft head's loop runs on this backend (called once, by the worker); kept,
+        so that `fallbacks` covers it."""
+        runner = self.make_draft_loop(loop, shape)
+        self.draft_loops.append(runner)
+        return runner
+
+    @abstractmethod
+    def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
+        """This backend's runner of the draft loop (see `draft_loop_runner`)."""
 
     def status(self) -> str:
         """The target's part of `specctl status` ("off" when nothing is captured or
         compiled)."""
         return "off"
+
+    def fallbacks(self) -> list[Fallback]:
+        """Every fallback in force, the target's and the draft loop's (module docstring);
+        empty when everything runs as configured."""
+        loops = [runner.fallback() for runner in self.draft_loops]
+        return self.target_fallbacks() + [f for f in loops if f is not None]
+
+    def target_fallbacks(self) -> list[Fallback]:
+        """The target forward's fallbacks (none for the eager backend: eager by design)."""
+        return []
 
     @property
     def memory_bytes(self) -> int:
@@ -161,6 +196,6 @@ class EagerBackend(Backend):
     def kv_changed(self) -> None:
         """Nothing is kept between forwards."""
 
-    def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
+    def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape
         return EagerDraftLoop(loop)

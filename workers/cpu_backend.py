@@ -29,6 +29,7 @@ from specd.workers.backend import (
     DraftLoopRunner,
     DraftLoopShape,
     EagerDraftLoop,
+    Fallback,
     InputIds,
     Outputs,
     StepForward,
@@ -96,9 +97,18 @@ class CpuBackend(Backend):
         if self.stage is not None:
             self.stage.invalidate()
 
-    def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
+    def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
         return CompiledDraftLoop(loop) if self.compiles else EagerDraftLoop(loop)
+
+    def target_fallbacks(self) -> list[Fallback]:
+        """--cpu-compile's decode that is unavailable (a latent-cache model) or whose
+        compilation failed: decode and verify run eagerly."""
+        compiled = self.compiled_decode
+        reason = self.no_compiled_decode or (compiled.error if compiled is not None else None)
+        if not reason:
+            return []
+        return [Fallback("cpu_compile_decode", f"decode and verify run eagerly: {reason}")]
 
     def status(self) -> str:
         if self.no_compiled_decode:

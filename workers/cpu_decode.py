@@ -29,7 +29,6 @@ step runs eagerly and `status` says why.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Sequence
 
 import torch
@@ -92,8 +91,8 @@ def report_compile_failure(logger: logging.Logger, message: str, exc: Exception)
     """Log a failed compilation once, as one ERROR record with the reason and traceback
     (event `cpu_compile_failed`; call from the except block); returns the reason for status."""
     reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-    logger.error(message, exc_info=True, extra={"event": "cpu_compile_failed", "reason": reason,
-                                                "traceback": traceback.format_exc()})
+    # The traceback comes with exc_info, once (an extra field would print it again).
+    logger.error(message, exc_info=True, extra={"event": "cpu_compile_failed", "reason": reason})
     return reason
 
 

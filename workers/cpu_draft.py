@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from specd.workers.backend import DraftLoop, DraftLoopRunner
+from specd.workers.backend import DraftLoop, DraftLoopRunner, Fallback
 from specd.workers.cpu_decode import report_compile_failure
 from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 
@@ -68,6 +68,10 @@ class CompiledDraftLoop(DraftLoopRunner):
             return None
         self.num_calls += 1
         return result
+
+    def fallback(self) -> Fallback | None:
+        return None if self.error is None else Fallback(
+            "cpu_compile_draft_loop", f"the draft loop runs eagerly: {self.error}")
 
     def status(self) -> str:
         if self.error is not None:

@@ -92,6 +92,9 @@ class EngineStats:
     spec_measured_tok_s: dict[str, list[float]] = field(default_factory=dict)
     num_step_failures: int = 0  # failed steps blamed on requests (workers/isolation.py)
     num_requests_failed: int = 0  # requests those failures ended with an error
+    # Documented fallbacks in force (backend.py): name -> reason; empty when all runs as
+    # configured. Each was logged once, with its traceback, when it happened.
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -368,4 +371,5 @@ class EngineCore:
             spec_measured_tok_s=controller.measured_table(),
             num_step_failures=self.isolation.num_step_failures,
             num_requests_failed=self.isolation.num_requests_failed,
+            fallbacks={f.name: f.reason for f in self.runner.backend.fallbacks()},
         )

@@ -19,6 +19,7 @@ from specd.workers.backend import (
     DraftLoop,
     DraftLoopRunner,
     DraftLoopShape,
+    Fallback,
     Outputs,
 )
 from specd.workers.graphs import GraphRunner, GraphShape, capture_sizes
@@ -45,7 +46,7 @@ class GraphBackend(Backend):
     def kv_changed(self) -> None:
         """Nothing is kept between forwards (graphs read the cache where it is)."""
 
-    def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
+    def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         graphs = DraftGraphs(loop, capture_sizes(shape.max_num_seqs),
                              prefix_widths(shape.longest_sequence), shape.hidden_size,
                              shape.dtype, self.device)
@@ -55,6 +56,12 @@ class GraphBackend(Backend):
 
     def status(self) -> str:
         return self.graphs.status()
+
+    def target_fallbacks(self) -> list[Fallback]:
+        """A capture of the target's forwards that failed: every forward runs eagerly."""
+        error = self.graphs.error
+        return [] if error is None else [
+            Fallback("cuda_graphs", f"the target's forwards run eagerly: {error}")]
 
     @property
     def memory_bytes(self) -> int:
@@ -86,6 +93,11 @@ class GraphDraftLoop(DraftLoopRunner):
 
     def status(self) -> str:
         return self.graphs.status()
+
+    def fallback(self) -> Fallback | None:
+        error = self.graphs.error
+        return None if error is None else Fallback(
+            "cuda_graphs_draft_loop", f"the draft loop runs eagerly: {error}")
 
 
 def graph_shapes(max_num_seqs: int, verify_shape: tuple[int, bool] | None

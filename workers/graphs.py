@@ -30,7 +30,6 @@ reason and traceback, drops every graph, runs eagerly, and says so in `status`.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -131,7 +130,7 @@ def capture_all(keys: Sequence[K], make_forward: Callable[[K], Callable[[], T]],
         error = f"capture of {key} failed: {type(exc).__name__}: {exc}"
         log.error("graph capture failed; the %s runs eagerly", what, exc_info=True, extra={
             "event": "graph_capture_failed", "what": what, "shape": str(key),
-            "reason": error, "traceback": traceback.format_exc()})
+            "reason": error})  # the traceback comes with exc_info, once
     pool_bytes = 0
     if cuda:
         torch.cuda.synchronize(device)

@@ -166,11 +166,14 @@ def start_engine(config_json: str, io: LinkIO) -> EngineCore:
         io.send(m.StartupStage(stage))
         from specd.workers.engine import EngineCore
 
-        # Hash the sources right after importing them: the version of the code we run.
+        # Hash the sources right after importing them: the version of the code we run,
+        # which the front checks before the model loads.
         code_version = provenance.code_version()
 
         stage = "load"
-        io.send(m.StartupStage(stage))
+        io.send(m.StartupStage(stage, code_version=code_version,
+                               source_root=str(provenance.package_dirs()["specd"]),
+                               file_digests=provenance.file_digests()))
         core = EngineCore(config)
         stage = "warmup"
         io.send(m.StartupStage(stage))

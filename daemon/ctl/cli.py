@@ -25,6 +25,7 @@ import click
 import msgspec
 
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM, EXIT_TIMEOUT, Settings, run_client_call
+from specd.daemon.ctl.status_text import status_lines
 from specd.ipc.errors import DaemonUnavailable, SpecdError
 from specd.ipc.generation import GenerateResult, StreamDelta
 from specd.ipc.messages import SPEC_MODES
@@ -174,30 +175,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if settings.as_json:
         _emit_json(reply)
         return
-    engine = reply.engine
-    lines = [
-        f"state        {reply.state}",
-        f"model        {reply.model}",
-        f"version      specd {reply.version}, protocol {reply.protocol}, code "
-        f"{reply.provenance.get('front', {}).get('code_version', '?')}",
-        f"uptime       {reply.uptime_s:.0f} s",
-        f"requests     {reply.num_open_requests} open, {reply.num_connections} connections",
-    ]
-    if engine:
-        lines += [
-            f"batch        {engine.get('num_running', '?')} running, "
-            f"{engine.get('num_waiting', '?')} waiting",
-            f"kv blocks    {engine.get('num_free_kv_blocks', '?')} free of "
-            f"{engine.get('num_kv_blocks', '?')}, "
-            f"{reply.resolved.get('kv_bytes_per_token', '?')} bytes per token",
-            f"speculation  mode {engine.get('spec_mode', '?')}, active "
-            f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
-            f"accepted {engine.get('num_accepted', 0)}",
-            f"fallbacks    {', '.join(engine.get('fallbacks', [])) or 'none'}",
-        ]
-    for key, value in reply.resolved.items():
-        lines.append(f"resolved     {key} = {value}")
-    click.echo("\n".join(lines))
+    click.echo("\n".join(status_lines(reply)))
 
 
 @cli.command()

@@ -48,9 +48,29 @@ def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
         return CheckResult("daemon", False, error, "start it (specd or systemctl start specd) "
                            "and check --socket / $SPECD_SOCKET")
     ok = status.state == "ready"
+    engine = status.engine
+    silent = (f"; {engine['error']}, process {engine.get('scheduler_pid')} is "
+              f"{engine.get('scheduler_process')}" if "error" in engine else "")
+    advice = "see the daemon's log (journalctl -u specd)"
+    if str(engine.get("scheduler_process", "")).startswith("stopped"):
+        advice = (f"someone stopped the scheduler: kill -CONT {engine.get('scheduler_pid')} "
+                  "(the daemon exits 75 after --hang-timeout-s without an answer)")
     return CheckResult("daemon", ok, f"state {status.state}, model {status.model}, up "
-                       f"{status.uptime_s:.0f} s, {status.num_open_requests} open requests",
-                       "" if ok else "see the daemon's log (journalctl -u specd)")
+                       f"{status.uptime_s:.0f} s, {status.num_open_requests} open requests"
+                       + silent, "" if ok else advice)
+
+
+def check_fallbacks(status: StatusReply) -> CheckResult:
+    """A documented fallback in force (a failed capture or compilation: that part runs
+    eagerly, slower than configured) is a problem to fix, not a state to serve in."""
+    fallbacks: dict[str, str] = status.engine.get("fallbacks") or {}
+    if not fallbacks:
+        return CheckResult("fallbacks", True, "none: everything runs as configured")
+    return CheckResult(
+        "fallbacks", False, "degraded: " + "; ".join(
+            f"{name}: {reason}" for name, reason in sorted(fallbacks.items())),
+        "the daemon's log has each failure once with its traceback (journalctl -u specd); "
+        "fix the cause and restart, or turn the option off")
 
 
 def check_provenance(status: StatusReply) -> list[CheckResult]:
@@ -158,6 +178,8 @@ def run_checks(socket_path: Path | None, timeout: float) -> list[CheckResult]:
     if status is not None and client is not None:
         results += check_provenance(status)
         results.append(check_config(status))
+        if status.engine:
+            results.append(check_fallbacks(status))
         if status.state == "ready":
             results.append(check_generation(client))
     if client is not None:

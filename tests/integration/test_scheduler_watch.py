@@ -1,0 +1,70 @@
+"""A scheduler that stops answering while idle, as the operator sees it: `specctl status`
+says `unresponsive` and names the stopped process, `specctl doctor` fails saying what to
+do, and after the hang timeout the daemon exits 75 with one record naming the cause."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemon_harness import Daemon
+
+from specd import provenance
+from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
+from specd.exit_codes import EXIT_SCHEDULER_FAILED
+
+HANG_TIMEOUT_S = 4.0
+
+
+def specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specd.daemon.ctl", "--socket",
+                           str(daemon.socket_path), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
+        tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S)).wait_ready()
+    try:
+        pid = daemon.scheduler_pid
+        # Idle past the hang timeout: the probes are answered, nothing fails.
+        time.sleep(HANG_TIMEOUT_S + 1)
+        healthy = specctl(daemon, "status")
+        assert healthy.returncode == 0
+        lines = healthy.stdout.splitlines()
+        assert "state        ready" in lines and "fallbacks    none" in lines
+        # Which code runs, from where, editable or not, at which commit.
+        front = provenance.report()
+        assert (f"code         {front['code_version']} over {front['num_source_files']} "
+                "files, scheduler the same") in lines
+        commit = front["git"]["sha"][:12] if front["git"] else ""
+        assert any(line.startswith("install      ") and front["root"] in line
+                   and ("editable" if front["install"].get("editable") else "") in line
+                   and commit in line for line in lines)
+
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        status = specctl(daemon, "status")
+        assert status.returncode == 0
+        assert "state        unresponsive" in status.stdout.splitlines()
+        (line,) = [x for x in status.stdout.splitlines() if x.startswith("scheduler    ")]
+        assert "the scheduler did not answer" in line
+        assert f"process {pid} is stopped (state T" in line
+        assert "batch" not in status.stdout  # no `?` figures standing in for the cause
+
+        doctor = specctl(daemon, "doctor")
+        assert doctor.returncode == EXIT_DOCTOR_PROBLEM
+        assert "FAIL  daemon: state unresponsive" in doctor.stdout
+        assert f"kill -CONT {pid}" in doctor.stdout
+
+        assert daemon.wait(60) == EXIT_SCHEDULER_FAILED
+        assert time.monotonic() - started < HANG_TIMEOUT_S + 10
+        (record,) = daemon.events("scheduler_failed")
+        assert "no answer" in record["msg"] and "while idle" in record["msg"]
+        assert f"process {pid} is stopped" in record["msg"]
+    finally:
+        daemon.stop()
