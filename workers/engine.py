@@ -142,7 +142,7 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
         """Queue a request. ValueError for a duplicate id, an empty or too-long prompt, or
-        token ids outside the vocabulary."""
+        token ids (of the prompt or of logit_bias) outside the vocabulary."""
         if request_id in self._num_emitted:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -153,6 +153,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        bad = [t for t in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
         self.scheduler.add(Seq(request_id, prompt_token_ids, sampling))
         self._num_emitted[request_id] = 0
 

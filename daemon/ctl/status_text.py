@@ -31,6 +31,9 @@ def status_lines(reply: StatusReply) -> list[str]:
             f"kv blocks    {engine.get('num_free_kv_blocks', '?')} free of "
             f"{engine.get('num_kv_blocks', '?')}, "
             f"{reply.resolved.get('kv_bytes_per_token', '?')} bytes per token",
+            f"kv cache     {reply.resolved.get('kv_cache_tokens', '?')} tokens in a budget of "
+            f"{reply.resolved.get('kv_budget_bytes', '?')} bytes "
+            f"({reply.resolved.get('kv_budget_source', '?')})",
             f"speculation  mode {engine.get('spec_mode', '?')}, active "
             f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
             f"accepted {engine.get('num_accepted', 0)}",

@@ -169,6 +169,8 @@ def test_specctl_status_shows_the_budget_and_tokens(resolved: dict[str, Any],
     text = CliRunner().invoke(ctl_cli.cli, ["status"])
     assert text.exit_code == 0, text.output
     lines = text.output.splitlines()
+    assert (f"kv cache     {resolved['kv_cache_tokens']} tokens in a budget of {3 * 2**20} "
+            "bytes (kv_cache_memory_bytes)") in lines
     assert f"resolved     kv_budget_bytes = {3 * 2**20}" in lines
     assert "resolved     kv_budget_source = kv_cache_memory_bytes" in lines
     assert f"resolved     kv_cache_tokens = {resolved['kv_cache_tokens']}" in lines
