@@ -1,15 +1,18 @@
 """OpenAI request bodies -> the socket's `Generate`, validated by the socket's own schema.
 
 A body is decoded into `CompletionRequest` or `ChatCompletionRequest` (the fields OpenAI's
-API defines that specd serves, plus specd's extra body fields `top_k`, `min_p`,
-`ignore_eos`, `speculative`, `stop_token_ids` and, for chat, `chat_template_kwargs`).
+API defines that specd serves, `frequency_penalty`, `presence_penalty` and `logit_bias`
+included, plus the extra body fields vLLM and SGLang also take: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, specd's `speculative` and, for chat,
+`chat_template_kwargs`). `logit_bias` keys are token ids written as decimal strings (JSON
+object keys), as in OpenAI's API.
 Like OpenAI's API, an unknown field is refused by name, and so is a field specd does not
 implement when it asks for something (`n` other than 1, `echo`, `suffix`, `best_of`,
-penalties, `logit_bias`, a `response_format` other than text, a `tool_choice` other than
-auto). The request is then built as the socket's map (`{"prompt": ..., "sampling": {...}}`)
-and converted with `msgspec.convert` into `messages.Generate`, which checks it exactly as a
-socket frame is checked (bounds, token ids, `SamplingParams.__post_init__`); its errors
-are translated back to the HTTP field names.
+a `response_format` other than text, a `tool_choice` other than auto). The request is then
+built as the socket's map (`{"prompt": ..., "sampling": {...}}`) and converted with
+`msgspec.convert` into `messages.Generate`, which checks it exactly as a socket frame is
+checked (bounds, token ids, `SamplingParams.__post_init__`); its errors are translated back
+to the HTTP field names.
 
 Defaults are OpenAI's where they differ from the socket's: temperature 1, completions
 `max_tokens` 16, chat without a limit (the engine stops at the model's maximum length).
@@ -54,6 +57,7 @@ class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     # specd's extra body fields (the SDK's `extra_body`)
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     speculative: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -161,11 +165,6 @@ def _refuse_unsupported(req: _Request) -> None:
     if req.n not in (None, 1):
         raise HttpError(400, f"n must be 1: specd returns one choice per request (got "
                         f"{req.n}); send several requests instead", "bad_request", "n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise HttpError(400, f"{name} is not supported (0 only)", "bad_request", name)
-    if req.logit_bias:
-        raise HttpError(400, "logit_bias is not supported", "bad_request", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise HttpError(400, "stream_options needs stream: true", "bad_request",
                         "stream_options")
@@ -200,8 +199,24 @@ def _sampling(req: _Request, max_tokens: int, num_top_logprobs: int | None
         "stop": stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "speculative": req.speculative,
         "logprobs": None if num_top_logprobs is None else max(1, num_top_logprobs),
+        "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "logit_bias": None if req.logit_bias is None else _token_keys(req.logit_bias),
     }
     return {key: value for key, value in given.items() if value is not None}
+
+
+def _token_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys, i.e. strings) with int keys;
+    the bounds are SamplingParams' to check. HttpError 400 for a key that is no id."""
+    # At most 19 digits: int() of a longer string costs time and may raise; such an id is
+    # out of SamplingParams' bound anyway.
+    bad = [key for key in logit_bias
+           if not key.isascii() or not key.isdigit() or len(key) > 19]
+    if bad:
+        raise HttpError(400, f"logit_bias keys must be token ids (decimal integers), got "
+                        f"{bad[:5]}", "bad_request", "logit_bias")
+    return {int(key): value for key, value in logit_bias.items()}
 
 
 def _convert(fields: dict[str, Any], sampling: dict[str, Any], req: _Request,

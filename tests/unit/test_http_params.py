@@ -48,6 +48,16 @@ def test_completion_parameters_map_onto_sampling_params() -> None:
     assert options == params.Options(False, True, True, 2)
 
 
+def test_penalties_and_logit_bias_map_onto_sampling_params() -> None:
+    for build in (completion, chat):
+        generate, _ = build(frequency_penalty=0.5, presence_penalty=-2, repetition_penalty=1.2,
+                            logit_bias={"5": 1.5, "0": -100})
+        sampling = generate.sampling
+        assert (sampling.frequency_penalty, sampling.presence_penalty,
+                sampling.repetition_penalty) == (0.5, -2.0, 1.2)
+        assert sampling.logit_bias == {5: 1.5, 0: -100.0}
+
+
 def test_openai_defaults() -> None:
     generate, options = completion()
     assert generate.sampling == SamplingParams(temperature=1.0, max_tokens=16)
@@ -108,8 +118,16 @@ def test_chat_fields() -> None:
     (completion, {"echo": True}, "echo"),
     (completion, {"suffix": "x"}, "suffix"),
     (completion, {"best_of": 2}, "best_of"),
-    (completion, {"presence_penalty": 0.5}, "presence_penalty"),
-    (completion, {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    (completion, {"presence_penalty": 2.5}, "presence_penalty"),
+    (chat, {"frequency_penalty": -2.01}, "frequency_penalty"),
+    (completion, {"repetition_penalty": 0}, "repetition_penalty"),
+    (chat, {"repetition_penalty": -1.0}, "repetition_penalty"),
+    (completion, {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    (completion, {"logit_bias": {"x": 1.0}}, "logit_bias"),
+    (completion, {"logit_bias": {"-3": 1.0}}, "logit_bias"),
+    (completion, {"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
+    (completion, {"logit_bias": {str(2**31): 1.0}}, "logit_bias"),
+    (completion, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
     (chat, {"tool_choice": "required"}, "tool_choice"),
     (chat, {"response_format": {"type": "json_object"}}, "response_format"),
