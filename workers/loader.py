@@ -7,9 +7,11 @@ parameter by the loader of that parameter's kind:
 
 * plain: the tensor is the parameter (shape checked);
 * stacked: q/k/v or gate/up shards copied into their rows of a fused parameter;
-* sharded by its module: a module with `shard_view(leaf, shard)`, `num_shards(leaf)` and
-  `shard_name(leaf, shard)` (the stacked routed experts of workers/moe.py) says which slice
-  of its parameter each checkpoint tensor fills (shape checked here);
+* sharded by its module: a module with `num_shards(leaf)`, `shard_name(leaf, shard)` and
+  either `shard_view(leaf, shard)` (the stacked routed experts of workers/moe.py: the slice
+  of its parameter each checkpoint tensor fills, shape checked here) or
+  `load_shard(leaf, shard, tensor)` (the INT4 routed experts of workers/moe_int4.py, which
+  check and copy the tensor themselves);
 * module-defined: a linear module with a `load_weight(name, tensor, shard, shard_sizes)`
   method (the INT4 layers) loads its own parameters.
 
@@ -167,11 +169,14 @@ def _load_tensor(model: CausalLM, params: dict[str, nn.Parameter], target: Targe
         module = model.get_submodule(module_name)
     except AttributeError as e:  # e.g. an expert tensor of a dense layer
         raise _no_parameter(model, name) from e
-    shard_view = getattr(module, "shard_view", None)
-    if shard_view is not None and target.shard is not None:
+    if _is_sharded(module) and target.shard is not None:
         if target.param_name not in params:
             raise _no_parameter(model, name)
-        _copy_checked(shard_view(param_leaf, target.shard), tensor, name, path)
+        load_shard = getattr(module, "load_shard", None)
+        if load_shard is not None:
+            load_shard(param_leaf, target.shard, tensor)
+        else:
+            _copy_checked(module.shard_view(param_leaf, target.shard), tensor, name, path)
         return
     shard_sizes = _shard_sizes(model, module_name) if target.shard is not None else None
     custom = getattr(module, "load_weight", None)
@@ -187,6 +192,11 @@ def _load_tensor(model: CausalLM, params: dict[str, nn.Parameter], target: Targe
         offset = sum(shard_sizes[: target.shard])
         dest = dest.narrow(0, offset, shard_sizes[target.shard])
     _copy_checked(dest, tensor, name, path)
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """A module whose parameters the checkpoint fills shard by shard (see module docstring)."""
+    return hasattr(module, "num_shards") and hasattr(module, "shard_name")
 
 
 def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> None:
@@ -222,7 +232,7 @@ def _check_complete(model: CausalLM, params: dict[str, nn.Parameter],
         module_name, _, leaf = param_name.rpartition(".")
         fused = module_name.rpartition(".")[2]
         module = model.get_submodule(module_name)
-        if hasattr(module, "shard_view"):
+        if _is_sharded(module):
             missing += [model.config.weight_prefix + module.shard_name(leaf, shard)
                         for shard in range(module.num_shards(leaf))
                         if (param_name, shard) not in loaded]

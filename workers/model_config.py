@@ -200,9 +200,6 @@ class ModelConfig:
         activation = raw.get("hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{where}: hidden_act {activation!r} is not supported (only silu)")
-        if is_mla and raw.get("quantization_config") is not None:
-            raise ValueError(f"{where}: quantization_config is not supported for "
-                             f"{architecture} yet (unquantized checkpoints only)")
         return cls(
             model_dir=model_dir,
             architecture=architecture,

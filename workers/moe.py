@@ -37,10 +37,15 @@ from specd.kernels.int4_layout import SUPPORTED_ACT_DTYPES
 from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16, fused_moe_w4a16_ref
 from specd.workers.deepseek_config import MoeConfig
 from specd.workers.layers import LinearFactory
+from specd.workers.moe_int4 import Int4RoutedExperts
+from specd.workers.quant_config import is_quantized
+from specd.workers.quantization import Int4LinearFactory
 
-# A routed expert's checkpoint tensor: (module prefix, expert, projection).
+# A routed expert's checkpoint tensor: (module prefix, expert, projection, kind), the kind
+# `weight` (dense) or one of compressed-tensors' pack-quantized tensors.
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\."
-                           r"(?P<proj>gate|up|down)_proj\.weight$")
+                           r"(?P<proj>gate|up|down)_proj\."
+                           r"weight(?P<kind>|_packed|_scale|_zero_point|_shape)$")
 
 
 @dataclass(frozen=True)
@@ -186,9 +191,12 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, topk_ids, topk_weights, ExpertWeights(self.w13, self.w2))
+        return experts_forward(x, topk_ids, topk_weights, self.weights())
 
     # The loader's interface for parameters filled shard by shard.
     def num_shards(self, leaf: str) -> int:
@@ -211,14 +219,36 @@ class RoutedExperts(nn.Module):
 
 
 def expert_target(name: str) -> tuple[str, int] | None:
-    """(parameter name, shard) of a routed expert's checkpoint tensor, else None."""
+    """(parameter name, shard) of a routed expert's checkpoint tensor, else None: `.weight`
+    goes to RoutedExperts' w13/w2, `.weight_packed` (and the other INT4 kinds) to
+    Int4RoutedExperts' w13_packed/w2_packed (...)."""
     match = EXPERT_TENSOR.match(name)
     if match is None:
         return None
-    expert, proj = int(match["expert"]), match["proj"]
+    expert, proj, kind = int(match["expert"]), match["proj"], match["kind"]
     if proj == "down":
-        return f"{match['prefix']}.w2", expert
-    return f"{match['prefix']}.w13", 2 * expert + (proj == "up")
+        return f"{match['prefix']}.w2{kind}", expert
+    return f"{match['prefix']}.w13{kind}", 2 * expert + (proj == "up")
+
+
+def build_routed_experts(cfg: MoeConfig, hidden_size: int, prefix: str,
+                         make_linear: LinearFactory) -> RoutedExperts | Int4RoutedExperts:
+    """The routed experts `{prefix}.{e}`: INT4 when the checkpoint's quantization_config (the
+    factory's, for a quantized checkpoint) quantizes their projections, dense when it leaves
+    them all out; ValueError naming one of each when it quantizes some and not others."""
+    qcfg = make_linear.quant_config if isinstance(make_linear, Int4LinearFactory) else None
+    names = [f"{prefix}.{e}.{p}_proj" for e in range(cfg.num_routed_experts)
+             for p in ("gate", "up", "down")]
+    flags = {name: is_quantized(name, qcfg) for name in names}
+    size = (cfg.num_routed_experts, hidden_size, cfg.moe_intermediate_size, prefix)
+    if qcfg is None or not any(flags.values()):
+        return RoutedExperts(*size)
+    if not all(flags.values()):
+        dense = next(n for n, q in flags.items() if not q)
+        quantized = next(n for n, q in flags.items() if q)
+        raise ValueError(f"the quantization_config quantizes {quantized} but not {dense}; "
+                         f"the routed experts of a layer must be all INT4 or all dense")
+    return Int4RoutedExperts(*size, qcfg.group_size, qcfg.symmetric)
 
 
 class MoE(nn.Module):
@@ -229,15 +259,15 @@ class MoE(nn.Module):
                  make_linear: LinearFactory) -> None:
         super().__init__()
         self.gate = TopkRouter(cfg, hidden_size)
-        self.experts = RoutedExperts(cfg.num_routed_experts, hidden_size,
-                                     cfg.moe_intermediate_size, f"{prefix}.experts")
+        self.experts = build_routed_experts(cfg, hidden_size, f"{prefix}.experts",
+                                            make_linear)
         shared = cfg.moe_intermediate_size * cfg.num_shared_experts
         self.shared_experts = (GatedMLP(hidden_size, shared, f"{prefix}.shared_experts",
                                         make_linear) if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        y = self.experts(x, topk_ids, topk_weights)
+        y = experts_forward(x, topk_ids, topk_weights, self.experts.weights())
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -144,3 +144,97 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model-00001-of-00001.safetensors: checkpoint file "
                                          "not found"):
         load_model(cfg, CPU, torch.float32)
+
+
+# ----------------------------------------------------------------------------- INT4 experts
+
+
+@pytest.fixture(scope="module")
+def moe_int4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The MoE fixture quantized by tools/quantize.py's MoE recipe, and its tensors."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from specd.workers.config import FIXTURE_MOE_DIR
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import quantize as quantize_tool
+
+    out = tmp_path_factory.mktemp("moe") / "int4"
+    assert quantize_tool.main([str(FIXTURE_MOE_DIR), str(out), "--recipe", "moe"]) == 0
+    return out, load_file(out / "model.safetensors")
+
+
+def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor],
+             quantization_config: object = ...) -> ModelConfig:
+    """`src`'s checkpoint in `dst` with `tensors` (and the quantization_config replaced, or
+    removed for None)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if quantization_config is not ...:
+        config = json.loads((dst / "config.json").read_text())
+        config.pop("quantization_config")
+        if quantization_config is not None:
+            config["quantization_config"] = quantization_config
+        (dst / "config.json").write_text(json.dumps(config))
+    return ModelConfig.from_dir(dst)
+
+
+def _load(cfg: ModelConfig) -> None:
+    from specd.workers.layers import dense_linear
+    from specd.workers.quantization import linear_factory_for
+
+    load_model(cfg, CPU, torch.float32, linear_factory_for(cfg.quantization_config,
+                                                           dense_linear))
+
+
+def test_int4_experts_missing_a_tensor_are_named(
+        moe_int4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    src, tensors = moe_int4
+    name = "model.layers.2.mlp.experts.5.up_proj.weight_scale"
+    cfg = _rewrite(src, tmp_path / "m", {k: v for k, v in tensors.items() if k != name})
+    with pytest.raises(ValueError, match=f"lacks tensor '{name}'"):
+        _load(cfg)
+
+
+def test_int4_experts_in_a_checkpoint_without_quantization_config_are_refused(
+        moe_int4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    src, tensors = moe_int4
+    cfg = _rewrite(src, tmp_path / "m", dict(tensors), quantization_config=None)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts.0.down_proj"
+                                         r".weight_packed' matches no parameter"):
+        _load(cfg)
+
+
+def test_quantized_tensors_the_config_ignores_are_refused_by_name(
+        moe_int4: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    """A config whose ignore list also names the routed experts: their INT4 tensors match no
+    (dense) parameter."""
+    src, tensors = moe_int4
+    qcfg = json.loads((src / "config.json").read_text())["quantization_config"]
+    qcfg["ignore"] = [*qcfg["ignore"], "re:.*experts.*"]
+    cfg = _rewrite(src, tmp_path / "m", tensors, quantization_config=qcfg)
+    with pytest.raises(ValueError, match=r"experts.0.down_proj.weight_packed' matches no"):
+        _load(cfg)
+
+
+def test_int4_kv_b_proj_is_refused(moe_int4: tuple[Path, dict[str, torch.Tensor]],
+                                   tmp_path: Path) -> None:
+    """MLA splits kv_b_proj into W_UK and W_UV at load, so it must stay dense."""
+    from specd.workers.quantization import quantize_rtn
+
+    src, tensors = moe_int4
+    tensors = dict(tensors)
+    for name in [n.removesuffix(".weight") for n in tensors if n.endswith("kv_b_proj.weight")]:
+        packed, scale = quantize_rtn(tensors.pop(f"{name}.weight"), 32)
+        tensors |= {f"{name}.weight_packed": packed, f"{name}.weight_scale": scale,
+                    f"{name}.weight_shape": torch.tensor([packed.shape[0], packed.shape[1] * 8])}
+    qcfg = json.loads((src / "config.json").read_text())["quantization_config"]
+    qcfg["ignore"] = [p if p != "re:.*self_attn.*" else "re:.*self_attn\\.(q|kv_a|o)_.*"
+                      for p in qcfg["ignore"]]
+    cfg = _rewrite(src, tmp_path / "m", tensors, quantization_config=qcfg)
+    with pytest.raises(ValueError, match="kv_b_proj must be a dense linear"):
+        _load(cfg)

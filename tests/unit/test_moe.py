@@ -219,3 +219,99 @@ def test_expert_checkpoint_names_map_to_stacked_shards() -> None:
     assert expert_target(f"{prefix}.7.up_proj.weight") == (f"{prefix}.w13", 15)
     assert expert_target(f"{prefix}.7.down_proj.weight") == (f"{prefix}.w2", 7)
     assert expert_target("model.layers.4.mlp.shared_experts.gate_proj.weight") is None
+
+
+def test_int4_expert_checkpoint_names_map_to_stacked_shards() -> None:
+    prefix = "model.layers.4.mlp.experts"
+    assert expert_target(f"{prefix}.7.up_proj.weight_packed") == (f"{prefix}.w13_packed", 15)
+    assert expert_target(f"{prefix}.7.gate_proj.weight_zero_point") == (
+        f"{prefix}.w13_zero_point", 14)
+    assert expert_target(f"{prefix}.7.down_proj.weight_shape") == (f"{prefix}.w2_shape", 7)
+    assert expert_target(f"{prefix}.7.down_proj.weight_g_idx") is None  # refused by the loader
+
+
+# ----------------------------------------------------------------------------- INT4 experts
+
+KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*")
+
+
+def _dense(i: int, o: int, b: bool, n: tuple[str, ...]) -> torch.nn.Module:
+    return torch.nn.Linear(i, o, bias=b)
+
+
+def test_experts_are_int4_exactly_when_the_quantization_config_quantizes_them() -> None:
+    from specd.workers.moe import RoutedExperts, build_routed_experts
+    from specd.workers.moe_int4 import Int4RoutedExperts
+    from specd.workers.quant_config import QuantConfig
+    from specd.workers.quantization import make_linear_factory
+
+    cfg = moe_config(moe_intermediate_size=32)
+    kimi = make_linear_factory(QuantConfig(group_size=32, ignore=KIMI_IGNORE), _dense)
+    assert isinstance(build_routed_experts(cfg, HIDDEN, "m.experts", _dense), RoutedExperts)
+    int4 = build_routed_experts(cfg, HIDDEN, "m.experts", kimi)
+    assert isinstance(int4, Int4RoutedExperts) and int4.w13_zero_point is None
+    ignored = make_linear_factory(QuantConfig(group_size=32, ignore=("re:.*experts.*",)), _dense)
+    assert isinstance(build_routed_experts(cfg, HIDDEN, "m.experts", ignored), RoutedExperts)
+    mixed = make_linear_factory(QuantConfig(group_size=32, ignore=("m.experts.3.down_proj",)),
+                                _dense)
+    with pytest.raises(ValueError, match="quantizes m.experts.0.gate_proj but not "
+                                         "m.experts.3.down_proj"):
+        build_routed_experts(cfg, HIDDEN, "m.experts", mixed)
+    asym = make_linear_factory(QuantConfig(group_size=None, symmetric=False), _dense)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(12\) to be a multiple of 8"):
+        build_routed_experts(moe_config(moe_intermediate_size=12), HIDDEN, "m.experts", asym)
+    with pytest.raises(ValueError, match="group_size 32 does not divide moe_intermediate_size"):
+        build_routed_experts(moe_config(moe_intermediate_size=48), HIDDEN, "m.experts", kimi)
+
+
+def test_int4_experts_load_per_expert_tensors_and_compute_their_dequantized_swiglu() -> None:
+    """Each expert's gate/up/down compressed by compressed-tensors' compressor and loaded
+    tensor by tensor: the INT4 experts compute what dense experts holding compressed-tensors'
+    decompression (fp32 scales: exact) compute."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from specd.workers.moe_int4 import Int4RoutedExperts
+    from specd.workers.quantization import quantize_rtn
+
+    inter = 32
+    gen = torch.Generator().manual_seed(5)
+    scheme = QuantizationScheme(targets=["Linear"], format="pack-quantized", weights=(
+        QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                         group_size=32)))
+    experts = Int4RoutedExperts(EXPERTS, HIDDEN, inter, "m.experts", 32, True).float()
+    w13 = torch.empty(EXPERTS, 2 * inter, HIDDEN)
+    w2 = torch.empty(EXPERTS, HIDDEN, inter)
+    for e in range(EXPERTS):
+        for proj, shape, dest in (("gate", (inter, HIDDEN), w13[e, :inter]),
+                                  ("up", (inter, HIDDEN), w13[e, inter:]),
+                                  ("down", (HIDDEN, inter), w2[e])):
+            weight = torch.randn(*shape, generator=gen)
+            scale = quantize_rtn(weight, 32)[1]
+            compressed = PackedQuantizationCompressor.compress(
+                {"weight": weight, "weight_scale": scale}, scheme)
+            dest.copy_(PackedQuantizationCompressor.decompress(
+                {**compressed, "weight_scale": scale.float()}, scheme)["weight"])
+            for kind, tensor in compressed.items():
+                name, shard = expert_target(f"m.experts.{e}.{proj}_proj.{kind}") or ("", 0)
+                experts.load_shard(name.rpartition(".")[2], shard, tensor)
+    x = torch.randn(9, HIDDEN, generator=gen)
+    ids = torch.randint(EXPERTS, (9, 2), generator=gen)
+    weights = torch.rand(9, 2, generator=gen)
+    torch.testing.assert_close(experts_forward(x, ids, weights, experts.weights()),
+                               experts_forward(x, ids, weights, ExpertWeights(w13, w2)),
+                               atol=1e-5, rtol=0)
+
+
+def test_int4_experts_refuse_tensors_that_do_not_fit_naming_them() -> None:
+    from specd.workers.moe_int4 import Int4RoutedExperts
+
+    experts = Int4RoutedExperts(EXPERTS, HIDDEN, 32, "m.experts", 32, True)
+    with pytest.raises(ValueError, match=r"m.experts.2.up_proj.weight_shape is \[32, 64\], "
+                                         r"expected \[32, 32\]"):
+        experts.load_shard("w13_shape", 5, torch.tensor([32, 64]))
+    with pytest.raises(ValueError, match="m.experts.1.down_proj.weight_packed must be int32"):
+        experts.load_shard("w2_packed", 1, torch.zeros(HIDDEN, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"m.experts.0.gate_proj.weight_scale has shape \[32, 2\]"):
+        experts.load_shard("w13_scale", 0, torch.zeros(32, 2))

@@ -105,11 +105,12 @@ def test_config_round_trips_through_compressed_tensors(group_size: int) -> None:
 
 
 @pytest.mark.parametrize(("preset", "error"), [
-    ("W4A16", None), ("W4A16_ASYM", "symmetric"), ("W8A16", "num_bits"),
+    ("W4A16", None), ("W4A16_ASYM", None), ("W8A16", "num_bits"),
     ("W4A8", "input_activations"),
 ])
 def test_compressed_tensors_presets(preset: str, error: str | None) -> None:
-    """llm-compressor's presets as they land in config.json: W4A16 loads, the rest name why."""
+    """llm-compressor's presets as they land in config.json: W4A16 (symmetric or not) loads,
+    the rest name why."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
     ct = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
@@ -117,7 +118,8 @@ def test_compressed_tensors_presets(preset: str, error: str | None) -> None:
                             quantization_status="compressed")
     raw = {"quant_method": "compressed-tensors", **ct.model_dump(exclude=["quant_method"])}
     if error is None:
-        assert QuantConfig.from_dict(raw) == QuantConfig(group_size=128, ignore=("lm_head",))
+        assert QuantConfig.from_dict(raw) == QuantConfig(group_size=128, ignore=("lm_head",),
+                                                         symmetric=preset == "W4A16")
     else:
         with pytest.raises(ValueError, match=error):
             QuantConfig.from_dict(raw)
@@ -144,7 +146,7 @@ W = "config_groups.group_0.weights"
     ("quant_method", "gptq", "quant_method"),
     ("format", "naive-quantized", "format"),
     ("format", "nvfp4-pack-quantized", "format"),
-    ("quantization_status", "frozen", "quantization_status"),
+    ("quantization_status", "initialized", "quantization_status"),
     ("kv_cache_scheme", {"num_bits": 8}, "kv_cache_scheme"),
     ("sparsity_config", {"format": "sparse-24-bitmask"}, "sparsity_config"),
     ("config_groups.group_1", KIMI_CONFIG["config_groups"]["group_0"], "config_groups"),
@@ -153,11 +155,14 @@ W = "config_groups.group_0.weights"
     ("config_groups.group_0.targets", [], "targets"),
     (f"{W}.num_bits", 8, "num_bits"),
     (f"{W}.type", "float", "type"),
-    (f"{W}.symmetric", False, "symmetric"),
-    (f"{W}.strategy", "channel", "strategy"),
+    (f"{W}.symmetric", "yes", "symmetric"),
+    (f"{W}.strategy", "tensor", "strategy"),
+    (f"{W}.strategy", "block", "strategy"),
+    (f"{W}.strategy", ..., "strategy"),
     (f"{W}.group_size", 16, "group_size"),
     (f"{W}.group_size", ..., "group_size"),
     (f"{W}.actorder", "group", "actorder"),
+    (f"{W}.num_bits", 2, "num_bits"),
     (f"{W}.dynamic", True, "dynamic"),
     (f"{W}.block_structure", [128, 128], "block_structure"),
     (f"{W}.rounding", "stochastic", "rounding"),
@@ -168,6 +173,71 @@ W = "config_groups.group_0.weights"
 def test_unsupported_options_are_rejected_by_name(path: str, value: Any, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         QuantConfig.from_dict(_with(path, value))
+
+
+@pytest.mark.parametrize(("path", "value", "field"), [
+    (f"{W}.actorder", "group", "actorder"),
+    (f"{W}.num_bits", 8, "num_bits"),
+    (f"{W}.strategy", "tensor_group", "strategy"),
+    ("quantization_status", "initialized", "quantization_status"),
+])
+def test_refusals_name_the_field_and_its_value(path: str, value: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*, got {value!r}"):
+        QuantConfig.from_dict(_with(path, value))
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (f"{W}.actorder", "static"), (f"{W}.actorder", "weight"), (f"{W}.actorder", False),
+    ("quantization_status", "frozen"),
+])
+def test_published_options_that_store_nothing_different_are_accepted(path: str,
+                                                                     value: Any) -> None:
+    """actorder static/weight only changed the quantizer's column order (no g_idx stored);
+    a frozen status stores the same packed tensors."""
+    assert QuantConfig.from_dict(_with(path, value)) == QuantConfig.from_dict(KIMI_CONFIG)
+
+
+def test_asymmetric_and_channel_wise_weights_are_parsed() -> None:
+    asym = QuantConfig.from_dict(_with(f"{W}.symmetric", False))
+    assert (asym.group_size, asym.symmetric, asym.strategy) == (32, False, "group")
+    channel = _with(f"{W}.strategy", "channel")
+    channel["config_groups"]["group_0"]["weights"]["group_size"] = None
+    parsed = QuantConfig.from_dict(channel)
+    assert (parsed.group_size, parsed.symmetric, parsed.strategy) == (None, True, "channel")
+    with pytest.raises(ValueError, match="group_size must be null with strategy 'channel'"):
+        QuantConfig.from_dict(_with(f"{W}.strategy", "channel"))
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), [(64, False), (None, True), (None, False)])
+def test_asymmetric_and_channel_configs_round_trip_through_compressed_tensors(
+        group_size: int | None, symmetric: bool) -> None:
+    """CT parses to_dict's scheme back, and its own dump parses to the same QuantConfig."""
+    qcfg = QuantConfig(group_size=group_size, symmetric=symmetric, ignore=("lm_head",))
+    parsed = QuantizationConfig.model_validate(qcfg.to_dict()).config_groups["group_0"].weights
+    assert (parsed.group_size, parsed.symmetric, parsed.strategy) == (
+        group_size, symmetric, qcfg.strategy)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric,
+                            strategy=qcfg.strategy, group_size=group_size)
+    ct = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=["Linear"], weights=args, format="pack-quantized")}, ignore=["lm_head"],
+        format="pack-quantized", quantization_status="compressed")
+    raw = {"quant_method": "compressed-tensors",
+           **ct.model_dump(mode="json", exclude={"quant_method"})}
+    assert QuantConfig.from_dict(raw) == qcfg
+
+
+def test_older_compression_config_key_is_read(tmp_path: Path) -> None:
+    """config.json's `compression_config` (older compressed-tensors exports) holds the same
+    object as `quantization_config`."""
+    from specd.workers.model_config import ModelConfig
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "vocab_size": 97, "max_position_embeddings": 64,
+              "compression_config": KIMI_CONFIG}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.quantization_config == KIMI_CONFIG
 
 
 # ----------------------------------------------------------------------------- packing
@@ -247,6 +317,67 @@ def test_fused_shards_fill_their_rows_and_check_weight_shape() -> None:
         layer.load_weight("weight_packed", torch.zeros(4, 9, dtype=torch.int32), 1, (8, 4, 4))
     with pytest.raises(ValueError, match="no tensor 'weight'"):
         layer.load_weight("weight", torch.zeros(4, 64), 1, (8, 4, 4))
+
+
+def _ct_asym_compress(weight: torch.Tensor, group_size: int | None
+                     ) -> tuple[dict[str, torch.Tensor], QuantizationScheme]:
+    """`weight` [N, K] compressed by compressed-tensors with zero points (min/max qparams)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, group_size=group_size,
+                            strategy="channel" if group_size is None else "group")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    grouped = weight.float().view(weight.shape[0], -1, group_size or weight.shape[1])
+    scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    state = {"weight": weight.float(), "weight_scale": scale.bfloat16(),
+             "weight_zero_point": zero.round().to(torch.int8)}
+    return PackedQuantizationCompressor.compress(state, scheme), scheme
+
+
+@pytest.mark.parametrize("group_size", [32, None], ids=["group32", "channel"])
+def test_asymmetric_weights_load_and_compute_as_compressed_tensors_decompresses(
+        group_size: int | None) -> None:
+    """Zero points and channel-wise scales: the layer's weight is compressed-tensors'
+    decompression (computed with fp32 scales, so exact), and its forward uses it."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 96, generator=gen)
+    compressed, scheme = _ct_asym_compress(weight, group_size)
+    assert "weight_zero_point" in compressed
+    exact = PackedQuantizationCompressor.decompress(
+        {**compressed, "weight_scale": compressed["weight_scale"].float()}, scheme)["weight"]
+    layer = Int4Linear(96, 40, bias=False, group_size=group_size, symmetric=False).float()
+    for name, tensor in compressed.items():
+        layer.load_weight(name, tensor, None, None)
+    torch.testing.assert_close(layer.dequantized_weight(), exact, atol=0, rtol=0)
+    x = torch.randn(5, 96, generator=gen)
+    torch.testing.assert_close(layer(x), x @ exact.t())
+
+
+def test_asymmetric_fused_shards_stack_zero_point_words() -> None:
+    """gate/up shards of 16 rows each: each shard's zero-point words fill its rows' words; a
+    shard not starting on a multiple of 8 rows cannot be stacked and is refused."""
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(16, 64, generator=gen) for _ in range(2)]
+    layer = Int4Linear(64, 32, bias=False, group_size=32, symmetric=False).float()
+    exact = []
+    for i, w in enumerate(shards):
+        compressed, scheme = _ct_asym_compress(w, 32)
+        for name, t in compressed.items():
+            layer.load_weight(name, t, i, (16, 16))
+        exact.append(PackedQuantizationCompressor.decompress(
+            {**compressed, "weight_scale": compressed["weight_scale"].float()}, scheme)["weight"])
+    torch.testing.assert_close(layer.dequantized_weight(), torch.cat(exact), atol=0, rtol=0)
+    odd = Int4Linear(64, 16, bias=False, group_size=32, symmetric=False)
+    with pytest.raises(ValueError, match="weight_zero_point of a fused shard of rows"):
+        odd.load_weight("weight_zero_point", torch.zeros(1, 2, dtype=torch.int32), 1, (4, 12))
+
+
+def test_symmetric_layer_refuses_zero_points_and_any_layer_refuses_g_idx() -> None:
+    layer = Int4Linear(64, 16, bias=False, group_size=32)
+    with pytest.raises(ValueError, match="no tensor 'weight_zero_point'"):
+        layer.load_weight("weight_zero_point", torch.zeros(2, 2, dtype=torch.int32), None, None)
+    with pytest.raises(ValueError, match="weight_g_idx: activation ordering by group"):
+        layer.load_weight("weight_g_idx", torch.zeros(64, dtype=torch.int32), None, None)
 
 
 def test_linear_factory_picks_int4_or_dense_per_module() -> None:
