@@ -64,8 +64,13 @@ def file_digests() -> dict[str, str]:
 
 def code_version() -> str:
     """sha256 (first 16 hex digits) over every source file's package path and digest."""
+    return version_of(file_digests())
+
+
+def version_of(digests: dict[str, str]) -> str:
+    """The code version of the files `digests` (as `file_digests` gives them) describe."""
     digest = hashlib.sha256()
-    for relative, file_digest in sorted(file_digests().items()):
+    for relative, file_digest in sorted(digests.items()):
         digest.update(f"{relative}\0{file_digest}\0".encode())
     return digest.hexdigest()[:16]
 
