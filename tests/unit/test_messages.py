@@ -14,6 +14,9 @@ CLIENT_MESSAGES = [
     m.Generate(id=1, prompt="hello", sampling=SamplingParams(max_tokens=4, stop=("\n",))),
     m.Generate(id=2, messages=[m.ChatMessage("user", "hi")], stream=False, deadline_s=2.5),
     m.Generate(id=3, prompt_token_ids=[5, 6, 7]),
+    m.Generate(id=10, prompt="x", sampling=SamplingParams(
+        repetition_penalty=1.2, frequency_penalty=-0.5, presence_penalty=2.0,
+        logit_bias={0: -100.0, 7: 2.5})),
     m.Abort(id=4, target=1),
     m.StatusQuery(id=5),
     m.StatsQuery(id=6),
@@ -37,6 +40,7 @@ SERVER_MESSAGES = [
 ]
 TO_SCHEDULER = [
     m.AddRequest("r1", [1, 2], SamplingParams(temperature=0.7, seed=3)),
+    m.AddRequest("r2", [1], SamplingParams(repetition_penalty=0.8, logit_bias={3: 1.0})),
     m.AbortRequests(["r1", "r2"]),
     m.SetSpecMode(query_id=1, mode="off"),
     m.QueryStats(query_id=2),
@@ -100,6 +104,21 @@ def _decode_client(obj: typing.Any) -> m.ClientMessage:
     ({"type": "generate", "id": 1, "prompt": "x", "sampling": {"temperature": float("nan")}},
      "temperature"),
     ({"type": "generate", "id": 1, "prompt": "x", "deadline_s": 0}, "deadline_s"),
+    *[({"type": "generate", "id": 1, "prompt": "x", "sampling": sampling}, fragment)
+      for sampling, fragment in [
+          ({"repetition_penalty": 0.0}, "repetition_penalty must be finite and > 0"),
+          ({"repetition_penalty": -1.0}, "repetition_penalty"),
+          ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+          ({"frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2]"),
+          ({"presence_penalty": -2.01}, "presence_penalty must be in [-2, 2]"),
+          ({"presence_penalty": float("nan")}, "presence_penalty"),
+          ({"logit_bias": {5: 100.5}}, "logit_bias values must be in [-100, 100]"),
+          ({"logit_bias": {5: float("nan")}}, "logit_bias values"),
+          ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be in [0, 2**31 - 1]"),
+          ({"logit_bias": {2**31: 1.0}}, "logit_bias token ids"),
+          ({"logit_bias": {"5": 1.0}}, "Expected `int`, got `str`"),
+          ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "at most 1024 entries"),
+      ]],
     ({"type": "spec", "id": 1, "mode": "sometimes"}, "$.mode"),
     ({"type": "launch", "id": 1}, "Invalid value 'launch'"),
     ([1, 2, 3], "Expected `object`"),
