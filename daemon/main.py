@@ -80,6 +80,10 @@ ENGINE_HELP = {
                    "torch.compile (inductor): "
                    "faster small batches; the warm-up compiles each kind at batch size 1 "
                    "and above (minutes on two cores; inductor caches the code on disk).",
+    "tensor_parallel_size": "split the model over N ranks, one process and device each "
+                            "(gloo on cpu, NCCL on cuda; 1: in-process).",
+    "expert_parallel": "with --tensor-parallel-size > 1, place whole routed experts on "
+                       "ranks instead of splitting each expert.",
 }
 DAEMON_HELP = {
     "socket_path": "Unix socket to listen on (ignored under socket activation); default "

@@ -79,6 +79,12 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Compile decode and verify steps on the CPU (torch.compile, inductor): cpu_decode.py.
     cpu_compile: bool = False
+    # Ranks the model is split over (workers/parallel/): 1 runs it in this process; N > 1
+    # starts N - 1 worker processes, one per device (gloo on the CPU, NCCL on CUDA).
+    tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1: whole routed experts per rank instead of each expert's
+    # width split (workers/parallel/expert_parallel.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         # An empty value is what a unit passes for an unset variable (`--model ${SPECD_MODEL}`
@@ -128,6 +134,14 @@ class EngineConfig:
         if self.cpu_compile and self.cuda_graphs:
             raise ValueError("cpu_compile and cuda_graphs (the CPU stand-in) are alternatives "
                              "on the CPU; turn one off")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError("tensor_parallel_size must be in [1, 64], "
+                             f"got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.cuda_graphs or self.cpu_compile):
+            raise ValueError("tensor_parallel_size > 1 runs eagerly: cuda_graphs and "
+                             "cpu_compile are not supported with it yet")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         if self.spec_disable_batch_threshold < 1:
             raise ValueError("spec_disable_batch_threshold must be >= 1, "
                              f"got {self.spec_disable_batch_threshold}")
@@ -154,7 +168,7 @@ class EngineConfig:
     def graphs_enabled(self) -> bool:
         if self.cuda_graphs is not None:
             return self.cuda_graphs
-        return self.device.startswith("cuda")
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
 
 
 @dataclass(frozen=True)

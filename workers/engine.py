@@ -167,6 +167,11 @@ class EngineCore:
         self._forget(request_id)
         return True
 
+    def close(self) -> None:
+        """Release what outlives the object: the worker ranks of a tensor-parallel model
+        (nothing in one process). The engine is unusable after."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.isolation.is_active)

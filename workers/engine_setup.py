@@ -42,7 +42,7 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
                          extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
                                                       * draft_config.head_dim))
     # The head shares the target's token embedding unless its checkpoint has its own.
-    head = load_draft_head(path, runner.model.model.embed_tokens.weight, dtype=runner.dtype,
+    head = load_draft_head(path, runner.draft_embedding_weight(), dtype=runner.dtype,
                            device=runner.device)
     controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
                                 measure=config.spec_auto_measure)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -37,12 +38,16 @@ from specd.workers.layers import LinearFactory, dense_linear
 from specd.workers.loader import load_model
 from specd.workers.memory_profile import measure_device_memory
 from specd.workers.model_config import ModelConfig
+from specd.workers.models import CausalLM
+from specd.workers.parallel.driver import DriverModel, start_parallel_model
+from specd.workers.parallel.loader import read_full_tensor
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.step_inputs import StepInputs, prepare_inputs
 
 # prepare_inputs and StepInputs live in step_inputs.py (the backends build steps too); they
 # are part of the runner's interface.
-__all__ = ["ModelRunner", "PendingOutput", "StepInputs", "prepare_inputs", "resolve_dtype"]
+__all__ = ["ModelRunner", "PendingOutput", "StepInputs", "linear_factory", "prepare_inputs",
+           "resolve_dtype"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -84,6 +89,12 @@ class ModelRunner:
     profiled here, after the weights load; memory_profile.py).
     extra_kv_elements_per_token: a cache the caller allocates with `num_kv_blocks` blocks
     (the draft head's K/V), paid from the same budget.
+
+    With `config.tensor_parallel_size` > 1 the model is rank 0's shard behind a
+    `DriverModel` (workers/parallel/driver.py), which runs every model call on the worker
+    ranks too; the rest of the runner is the same. Each rank allocates `num_kv_blocks`
+    blocks of its own layer shape; the budget counts the whole model's bytes per block.
+    `close()` stops the workers.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
@@ -99,8 +110,16 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.capture_layers = _checked_capture_layers(capture_layers, self.model_config)
         if make_linear is None:
-            make_linear = _linear_factory(self.model_config)
-        self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
+            make_linear = linear_factory(self.model_config)
+        self.driver: DriverModel | None = None  # rank 0 of a tensor-parallel group
+        if config.tensor_parallel_size > 1:
+            self.driver = start_parallel_model(config, self.model_config, self.device,
+                                               self.dtype, make_linear)
+            # The driver has the models' interface (forward, compute_logits, embed_tokens,
+            # copy_kv_slots, config, model) without being one of their classes.
+            self.model = cast(CausalLM, self.driver)
+        else:
+            self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
         # The KV budget, profiled on CUDA unless given (kv_cache.kv_budget); before the
         # trial capture below, whose graphs' memory is then taken from it.
         self.kv_budget = kv_budget(config, self._device_memory())
@@ -253,8 +272,26 @@ class ModelRunner:
                                      config.max_num_seqs, self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        if self.driver is not None:
+            return self.driver.allocate_kv_cache(num_blocks, self.config.block_size, self.dtype,
+                                                 self.device)
         return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,
                                  self.dtype, self.device)
+
+    def draft_embedding_weight(self) -> torch.Tensor:
+        """The target's whole token embedding [vocab, hidden], which a draft head without its
+        own shares: the model's (the same storage) in one process; under tensor parallelism,
+        where the model holds a vocabulary range, a copy read for rank 0's head."""
+        if self.driver is None:
+            weight: torch.Tensor = self.model.model.embed_tokens.weight
+            return weight
+        return read_full_tensor(self.model_config, "model.embed_tokens.weight", self.device,
+                                self.dtype)
+
+    def close(self) -> None:
+        """Stop the worker ranks, if any (the runner is unusable after)."""
+        if self.driver is not None:
+            self.driver.close()
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's generator (unknown ids are fine)."""
@@ -301,7 +338,7 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> str:
     return "bfloat16" if stored == "bfloat16" and native_bf16 else "float32"
 
 
-def _linear_factory(cfg: ModelConfig) -> LinearFactory:
+def linear_factory(cfg: ModelConfig) -> LinearFactory:
     """Dense linears, or INT4 ones where the checkpoint's quantization_config says so."""
     if cfg.quantization_config is None:
         return dense_linear

@@ -8,6 +8,11 @@ and gate/up into `gate_up_proj`; `STACKED_PARAMS` tells the loader how the shard
 
 Tokens from every sequence of a step are one flat batch `[N, ...]`; attention reads and
 writes the paged KV cache through `AttentionMetadata`.
+
+Tensor parallelism (workers/parallel/): a rank builds the model from its own `ModelConfig`
+(`shard_model_config`: its heads, K/V heads and MLP width), so the blocks are unchanged;
+each block's output is all-reduced (`ParallelContext.all_reduce`, nothing at size 1), the
+embedding is vocab-parallel and the logits are gathered.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from torch import nn
 from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
 from specd.workers.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
 from specd.workers.model_config import ModelConfig
+from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
+from specd.workers.parallel.vocab import make_embedding
 
 # (fused module, checkpoint module, shard index): how checkpoint tensors stack into fused ones.
 STACKED_PARAMS = (
@@ -81,8 +88,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory,
+                 par: ParallelContext) -> None:
         super().__init__()
+        self.par = par
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", make_linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -91,18 +100,21 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """h: the residual stream [N, hidden] -> the block's output, same shape."""
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Row-parallel o_proj and down_proj leave partial sums: one all-reduce each.
+        h = h + self.par.all_reduce(self.self_attn(self.input_layernorm(h), cos_sin, kv_cache,
+                                                   meta))
+        return h + self.par.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class DecoderModel(nn.Module):
     """Embedding, the blocks and the final norm (transformers' `model.` submodule)."""
 
-    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory,
+                 par: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", make_linear) for i in range(cfg.num_layers))
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, par)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, f"model.layers.{i}", make_linear, par)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -110,17 +122,21 @@ class DecoderForCausalLM(nn.Module):
     """The whole model. Build it under `torch.device("meta")` and fill it with the loader.
 
     `device` is where the rotary frequencies live (they are no parameter and are computed
-    here, so that a meta build does not lose them).
+    here, so that a meta build does not lose them). `par`: the rank's place under tensor
+    parallelism, `cfg` then the rank's own config (module docstring).
     """
 
     def __init__(self, cfg: ModelConfig, make_linear: LinearFactory,
-                 device: torch.device) -> None:
+                 device: torch.device, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, make_linear)
-        # A tied model has no lm_head of its own: logits use the embedding matrix.
+        self.par = par
+        self.model = DecoderModel(cfg, make_linear, par)
+        # A tied model has no lm_head of its own: logits use the embedding matrix. Under
+        # tensor parallelism each rank's lm_head holds its vocabulary range (column-parallel).
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else make_linear(cfg.hidden_size, cfg.vocab_size, False, ("lm_head",)))
+                        else make_linear(cfg.hidden_size, cfg.vocab_size // par.world_size,
+                                         False, ("lm_head",)))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -156,7 +172,8 @@ class DecoderForCausalLM(nn.Module):
             flat[:, dst_slots] = flat[:, src_slots]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] (after the final norm) -> logits [M, vocab]."""
+        """hidden [M, hidden] (after the final norm) -> logits [M, vocab] (every rank's
+        vocabulary range gathered)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            return self.par.gather_last(F.linear(hidden, self.model.embed_tokens.weight))
+        return self.par.gather_last(self.lm_head(hidden))

@@ -18,6 +18,13 @@ with the same softmax scale (rope.mla_softmax_scale) and the same visibility
   a latent query per head, attention runs over [c ‖ k_pe] with V = c (one KV head), and
   the result·W_UV per head goes to o_proj. W_UK and W_UV are split from kv_b_proj at load
   (`split_kv_b`).
+
+Tensor parallelism (workers/parallel/): a rank builds the model from its own `ModelConfig`
+(`shard_model_config`): its query heads (q_b_proj, kv_b_proj and o_proj split by head, the
+latent projections and the latent cache whole on every rank), its part of the dense MLP and
+of each expert's width; or with expert parallelism whole experts (`ExpertParallelMoE`).
+The attention block's and the MLP/MoE block's outputs are all-reduced once each (routed
+and shared experts summed first); the embedding is vocab-parallel, the logits gathered.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from specd.workers.attention import AttentionMetadata, QueryGroup
 from specd.workers.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
 from specd.workers.model_config import ModelConfig
 from specd.workers.moe import GatedMLP, MoE
+from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
+from specd.workers.parallel.expert_parallel import ExpertParallelMoE
+from specd.workers.parallel.vocab import make_embedding
 from specd.workers.rope import apply_rotary_interleaved, mla_softmax_scale
 
 # (fused module, checkpoint module, shard index), as decoder.STACKED_PARAMS.
@@ -211,34 +221,45 @@ class MlaAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """x += MLA(norm(x)); x += MLP(norm(x)), the MLP dense or MoE (MoeConfig.is_moe_layer)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, make_linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, make_linear: LinearFactory,
+                 par: ParallelContext) -> None:
         super().__init__()
         if cfg.moe is None:
             raise ValueError(f"{cfg.architecture}: needs a MoeConfig")
         prefix = f"model.layers.{layer}"
+        self.par = par
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MlaAttention(cfg, f"{prefix}.self_attn", make_linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(cfg.moe, cfg.hidden_size, f"{prefix}.mlp", make_linear)
-            if cfg.moe.is_moe_layer(layer)
-            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", make_linear))
+        self.mlp: nn.Module
+        if not cfg.moe.is_moe_layer(layer):
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp",
+                                make_linear)
+        elif par.expert_parallel:
+            self.mlp = ExpertParallelMoE(cfg.moe, cfg.hidden_size, f"{prefix}.mlp", make_linear,
+                                         par)
+        else:
+            self.mlp = MoE(cfg.moe, cfg.hidden_size, f"{prefix}.mlp", make_linear)
 
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """h: the residual stream [N, hidden] -> the block's output, same shape."""
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Row-parallel o_proj, down_proj and experts leave partial sums: one all-reduce each
+        # (a MoE block's routed and shared outputs are summed before it).
+        h = h + self.par.all_reduce(self.self_attn(self.input_layernorm(h), cos_sin, kv_cache,
+                                                   meta))
+        return h + self.par.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class DeepseekV3Model(nn.Module):
     """Embedding, the blocks and the final norm (transformers' `model.` submodule)."""
 
-    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory,
+                 par: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, par)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, make_linear) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, make_linear, par) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -246,17 +267,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     """The whole model, with DecoderForCausalLM's interface (forward, embed_tokens,
     compute_logits). Build it under `torch.device("meta")`, fill it with the loader, which
     then calls `process_weights_after_loading`. The rotary frequencies (over
-    qk_rope_head_dim, YaRN included) live on `device`."""
+    qk_rope_head_dim, YaRN included) live on `device`. `par`: the rank's place under tensor
+    parallelism, `cfg` then the rank's own config (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, make_linear: LinearFactory,
-                 device: torch.device) -> None:
+                 device: torch.device, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         if cfg.mla is None:
             raise ValueError(f"{cfg.architecture}: DeepseekV3ForCausalLM needs an MlaConfig")
         self.config = cfg
-        self.model = DeepseekV3Model(cfg, make_linear)
+        self.par = par
+        self.model = DeepseekV3Model(cfg, make_linear, par)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else make_linear(cfg.hidden_size, cfg.vocab_size, False, ("lm_head",)))
+                        else make_linear(cfg.hidden_size, cfg.vocab_size // par.world_size,
+                                         False, ("lm_head",)))
         self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.rope_theta,
                                       cfg.rope_scaling, device)
 
@@ -296,7 +320,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             flat[dst_slots] = flat[src_slots]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] (after the final norm) -> logits [M, vocab]."""
+        """hidden [M, hidden] (after the final norm) -> logits [M, vocab] (every rank's
+        vocabulary range gathered)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            return self.par.gather_last(F.linear(hidden, self.model.embed_tokens.weight))
+        return self.par.gather_last(self.lm_head(hidden))

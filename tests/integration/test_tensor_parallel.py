@@ -1,0 +1,81 @@
+"""Tensor and expert parallelism on the CPU over gloo (workers/parallel/).
+
+Size 2 (rank 0 in this process, rank 1 a spawned worker) generates, greedy in float32, the
+same tokens as size 1 on held-out prompts: for the dense fixture and the MoE fixture (MLA
+query heads split, the latent cache whole on each rank, each expert's width split), with
+speculation off and on (the EAGLE-3 head runs on rank 0 only), and with whole experts per
+rank (`expert_parallel`). Speculation on must also have accepted drafts, so the verify path
+really ran sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from heldout import heldout_prompt_ids
+
+from specd.ipc.sampling import SamplingParams
+from specd.workers.config import EngineConfig
+from specd.workers.engine import EngineCore
+
+PROMPTS = heldout_prompt_ids(3, 7, 11)
+NEW_TOKENS = 12
+
+
+def generate(model: str, **options: Any) -> tuple[list[list[int]], int]:
+    """Greedy continuations of PROMPTS (batched) and the number of accepted drafts. The
+    engine is closed after, and its worker ranks must have exited cleanly."""
+    torch.set_num_threads(1)
+    core = EngineCore(EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
+                                   **options))
+    driver = core.runner.driver
+    processes = [] if driver is None else driver.workers.processes
+    assert len(processes) == core.config.tensor_parallel_size - 1
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS):
+            core.add_request(f"r{i}", ids, params)
+        outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        accepted = 0
+        while core.has_unfinished():
+            for delta in core.step():
+                outs[delta.request_id] += delta.new_token_ids
+                if delta.finish_reason is not None:
+                    accepted += delta.num_accepted
+    finally:
+        core.close()
+    assert all(p.exitcode == 0 for p in processes)
+    return [outs[f"r{i}"] for i in range(len(PROMPTS))], accepted
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> dict[str, list[list[int]]]:
+    """Size 1, speculation off: the reference for every parallel run."""
+    return {model: generate(model, speculative_algorithm=None)[0]
+            for model in ("fixture", "fixture-moe")}
+
+
+@pytest.mark.parametrize("model", ["fixture", "fixture-moe"])
+def test_size_two_generates_the_size_one_tokens(model: str,
+                                                single_rank: dict[str, Any]) -> None:
+    tokens, _ = generate(model, speculative_algorithm=None, tensor_parallel_size=2)
+    assert tokens == single_rank[model]
+
+
+@pytest.mark.parametrize("model", ["fixture", "fixture-moe"])
+def test_size_two_with_speculation_keeps_the_tokens_and_accepts_drafts(
+        model: str, single_rank: dict[str, Any]) -> None:
+    tokens, accepted = generate(model, spec_mode="on", tensor_parallel_size=2)
+    assert tokens == single_rank[model]
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("spec_mode", ["off", "on"])
+def test_expert_parallel_generates_the_size_one_tokens(
+        spec_mode: str, single_rank: dict[str, Any]) -> None:
+    tokens, accepted = generate("fixture-moe", spec_mode=spec_mode, tensor_parallel_size=2,
+                                expert_parallel=True)
+    assert tokens == single_rank["fixture-moe"]
+    assert (accepted > 0) == (spec_mode == "on")

@@ -1,0 +1,171 @@
+"""Rank 0 of tensor parallelism: the scheduler process's side.
+
+`start_parallel_model` starts ranks 1..N-1 (worker.py, one spawned process each), joins the
+process group with them, loads rank 0's own shard while they load theirs, and waits until
+every rank reports ready (a rank that fails raises here with its traceback; the others are
+stopped). It returns a `DriverModel`: the model interface the runner, its backends and the
+speculative worker call (`forward`, `compute_logits`, `embed_tokens`, `copy_kv_slots`),
+each call sent to every worker first and then run on rank 0's shard, so all ranks reach
+the same collectives in the same order. Outputs are rank 0's.
+
+The calls travel over one pipe per worker, serialized once (a broadcast without a
+collective: a worker waiting for the next step has no timeout to run out while the engine
+is idle, and sees EOF when rank 0 is gone). The collectives inside a forward carry
+`COLLECTIVE_TIMEOUT`. Failure handling beyond that (a rank that dies mid-stream failing the
+open requests) is not built yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from specd.workers.attention import AttentionMetadata
+from specd.workers.config import EngineConfig
+from specd.workers.kv_cache import allocate_kv_cache
+from specd.workers.layers import LinearFactory
+from specd.workers.model_config import ModelConfig
+from specd.workers.models import CausalLM
+from specd.workers.parallel.context import COLLECTIVE_TIMEOUT, ParallelContext, init_group
+from specd.workers.parallel.loader import load_model_shard
+from specd.workers.parallel.sharding import shard_model_config
+from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_worker
+
+log = logging.getLogger("specd.parallel")
+
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 as rank 0 sees them: their processes and their pipes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        world = config.tensor_parallel_size
+        # Port 0: the store listens on a free port, which the workers are told.
+        self.store = dist.TCPStore(STORE_HOST, 0, world, is_master=True,
+                                   wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        context = mp.get_context("spawn")
+        self.processes: list[BaseProcess] = []
+        self.pipes: list[Connection] = []
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        for rank in range(1, world):
+            ours, theirs = context.Pipe()
+            spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level)
+            process = context.Process(target=run_worker, args=(spec, theirs),
+                                      name=f"specd-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+
+    def wait_for(self, expected: str, timeout_s: float) -> None:
+        """Until every worker reports `expected` ("joining": about to join the group,
+        "ready": loaded); RuntimeError with the traceback of one that failed, or naming
+        one that exited or stayed silent for `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), 1):
+            while not pipe.poll(0.1):
+                if not process.is_alive():
+                    raise RuntimeError(f"rank {rank} exited with code {process.exitcode} "
+                                       f"before it was {expected}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank} not {expected} after {timeout_s:.0f} s")
+            status, detail = pipe.recv()
+            if status != expected:
+                raise RuntimeError(f"rank {rank} failed while starting:\n{detail}")
+
+    def send(self, op: str, *args: object) -> None:
+        """Send one call to every worker (serialized once)."""
+        data = encode(op, *args)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def close(self) -> None:
+        """Stop the workers (`stop`, then SIGTERM after STOP_TIMEOUT_S) and leave the group."""
+        for pipe in self.pipes:
+            try:
+                pipe.send_bytes(encode("stop"))
+            except OSError as e:  # that worker has exited already; it is joined below
+                log.info("rank already gone at stop (%s)", e, extra={"event": "rank_gone"})
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(STOP_TIMEOUT_S)
+        for pipe in self.pipes:
+            pipe.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DriverModel(nn.Module):
+    """Rank 0's shard (`local`) behind the model interface; every call also runs on the
+    workers (module docstring). `config` and `model` are the local shard's."""
+
+    def __init__(self, local: CausalLM, workers: WorkerGroup, local_config: ModelConfig) -> None:
+        super().__init__()
+        self.local = local
+        self.workers = workers
+        self.local_config = local_config
+        self.config = local.config
+        self.model = local.model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Sequence[torch.Tensor], meta: AttentionMetadata,
+                capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.workers.send("forward", input_ids, positions, meta, tuple(capture_layers))
+        return self.local(input_ids, positions, kv_caches, meta, capture_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.workers.send("logits", hidden)
+        return self.local.compute_logits(hidden)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.workers.send("embed", input_ids)
+        return self.local.embed_tokens(input_ids)
+
+    def copy_kv_slots(self, kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor) -> None:
+        self.workers.send("copy_kv", src_slots, dst_slots)
+        self.local.copy_kv_slots(kv_caches, src_slots, dst_slots)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                          device: torch.device) -> list[torch.Tensor]:
+        """Every rank allocates `num_blocks` blocks of its own layer shape (its K/V heads;
+        MLA's whole latent rows); returns rank 0's."""
+        self.workers.send("allocate_kv", num_blocks)
+        return allocate_kv_cache(self.local_config, num_blocks, block_size, dtype, device)
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                         dtype: torch.dtype, make_linear: LinearFactory) -> DriverModel:
+    """Start the workers and load every rank's shard (module docstring); whole or raises,
+    with the workers stopped."""
+    workers = WorkerGroup(config)
+    try:
+        # A worker that fails to start (an import) is seen here, not as a group that
+        # never completes.
+        workers.wait_for("joining", COLLECTIVE_TIMEOUT.total_seconds())
+        init_group(workers.store, 0, config.tensor_parallel_size, device)
+        par = ParallelContext(0, config.tensor_parallel_size, config.expert_parallel)
+        local = load_model_shard(model_config, device, dtype, make_linear, par)
+        workers.wait_for("ready", COLLECTIVE_TIMEOUT.total_seconds())
+    except BaseException:
+        workers.close()
+        raise
+    log.info("tensor parallel group ready", extra={
+        "event": "tensor_parallel_ready", "world_size": config.tensor_parallel_size,
+        "expert_parallel": config.expert_parallel,
+        "worker_pids": [p.pid for p in workers.processes]})
+    return DriverModel(local, workers, shard_model_config(model_config, par))

@@ -1,0 +1,138 @@
+"""Ranks 1..N-1: one process each, started by rank 0 (driver.py).
+
+A rank joins the process group, loads its shard (parallel/loader.py), reports `ready` (or
+`failed` with the traceback) on its pipe, then serves the calls rank 0 sends on that pipe
+until `stop` or until the pipe closes (rank 0 is gone): the same model call as rank 0, over
+its own shard and its own part of the KV cache, whose outputs it drops (rank 0 takes them).
+Every call is one message (`Call`), serialized by torch so its tensors arrive on this
+rank's device.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specd.logs import setup_logging
+from specd.workers.config import EngineConfig
+from specd.workers.kv_cache import allocate_kv_cache
+from specd.workers.model_config import ModelConfig
+from specd.workers.models import CausalLM
+from specd.workers.parallel.context import (
+    COLLECTIVE_TIMEOUT,
+    ParallelContext,
+    init_group,
+    rank_device,
+)
+from specd.workers.parallel.loader import load_model_shard
+from specd.workers.parallel.sharding import shard_model_config
+
+log = logging.getLogger("specd.parallel")
+
+STORE_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What rank 0 tells a rank it starts: its rank, where the group's store listens, the
+    engine config, and the host settings to copy (torch threads, log level)."""
+
+    rank: int
+    store_port: int
+    config: EngineConfig
+    num_threads: int
+    log_level: str
+
+
+def encode(op: str, *args: Any) -> bytes:
+    """One call to the workers: (op, args) serialized by torch (tensors included)."""
+    buffer = io.BytesIO()
+    torch.save((op, args), buffer)
+    return buffer.getvalue()
+
+
+def decode(data: bytes, device: torch.device) -> tuple[str, tuple[Any, ...]]:
+    """The call `encode` made, its tensors on `device`."""
+    op, args = torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+    return op, args
+
+
+def run_worker(spec: RankSpec, conn: Connection) -> None:
+    """The process entry of rank `spec.rank` (see module docstring)."""
+    setup_logging("json", spec.log_level)
+    torch.set_num_threads(spec.num_threads)
+    config = spec.config
+    world = config.tensor_parallel_size
+    try:
+        device = rank_device(config.device, spec.rank)
+        conn.send(("joining", ""))
+        store = dist.TCPStore(STORE_HOST, spec.store_port, world, is_master=False,
+                              timeout=COLLECTIVE_TIMEOUT)
+        init_group(store, spec.rank, world, device)
+        par = ParallelContext(spec.rank, world, config.expert_parallel)
+        model_config = ModelConfig.from_dir(config.model_path)
+        # Imported here: the runner module imports this package's driver.
+        from specd.workers.model_runner import TORCH_DTYPES, linear_factory, resolve_dtype
+
+        dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
+        model = load_model_shard(model_config, device, dtype, linear_factory(model_config), par)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        raise
+    conn.send(("ready", ""))
+    try:
+        RankServer(model, shard_model_config(model_config, par), config.block_size, dtype,
+                   device).serve(conn)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankServer:
+    """Runs rank 0's calls on this rank's shard."""
+
+    def __init__(self, model: CausalLM, local_config: ModelConfig, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.local_config = local_config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = []
+
+    @torch.inference_mode()
+    def serve(self, conn: Connection) -> None:
+        """Until `stop`, or EOF on the pipe (rank 0 exited)."""
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:
+                log.info("rank 0 is gone; this rank exits", extra={"event": "rank_orphaned"})
+                return
+            op, args = decode(data, self.device)
+            if op == "stop":
+                return
+            self.call(op, args)
+
+    def call(self, op: str, args: tuple[Any, ...]) -> None:
+        model = self.model
+        if op == "forward":
+            input_ids, positions, meta, capture_layers = args
+            model(input_ids, positions, self.kv_caches, meta, capture_layers)
+        elif op == "logits":
+            model.compute_logits(*args)
+        elif op == "embed":
+            model.embed_tokens(*args)
+        elif op == "copy_kv":
+            model.copy_kv_slots(self.kv_caches, *args)
+        elif op == "allocate_kv":
+            self.kv_caches = allocate_kv_cache(self.local_config, args[0], self.block_size,
+                                               self.dtype, self.device)
+        else:
+            raise ValueError(f"unknown call {op!r} from rank 0")
