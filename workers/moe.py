@@ -15,9 +15,12 @@ with -inf, as vLLM does; DeepSeek's reference code and SGLang mask with 0, which
 dropped expert when every kept choice score is negative (a negative bias). specd follows
 transformers (-inf: a dropped group's expert is never chosen).
 
-All routed-expert computation goes through `experts_forward(x, topk_ids, topk_weights,
-weights)`. With `ExpertWeights` (stacked dense weights) it is a torch implementation that
-sorts the (token, slot) pairs by expert and runs one SwiGLU per expert that received tokens.
+The routed experts are built dense (`RoutedExperts`) or INT4 (`Int4RoutedExperts`,
+workers/moe_int4.py: Kimi's per-expert compressed-tensors tensors) as the checkpoint's
+quantization_config says (`build_routed_experts`). All routed-expert computation goes
+through `experts_forward(x, topk_ids, topk_weights, weights)`. With `ExpertWeights`
+(stacked dense weights) it is a torch implementation that sorts the (token, slot) pairs by
+expert and runs one SwiGLU per expert that received tokens.
 With `Int4ExpertWeights` (kernels/moe_w4a16.py: stacked compressed-tensors INT4 experts) it
 is the fused W4A16 MoE kernel on CUDA (fp16/bf16) and the kernel's torch reference, which
 dequantizes each expert that received tokens, elsewhere.
