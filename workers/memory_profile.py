@@ -1,7 +1,8 @@
 """What a CUDA device has left for the KV cache: one profiling forward after the weights load.
 
 `measure_device_memory` runs the model once over `max_num_batched_tokens` tokens (the
-largest step the scheduler builds) and computes logits for `max_num_seqs` rows, the way a
+largest step the scheduler builds) and computes logits for as many rows as a step samples
+at most (`max_num_seqs`, times the verified draft length with a draft head), the way a
 step does, over a one-block scratch cache; it records the activation peak (the most the
 caching allocator held above the weights meanwhile) and, once the temporaries are released,
 the memory still free on the device. `kv_cache.kv_budget` turns the two into the budget.

@@ -121,8 +121,11 @@ class ModelRunner:
         else:
             self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
         # The KV budget, profiled on CUDA unless given (kv_cache.kv_budget); before the
-        # trial capture below, whose graphs' memory is then taken from it.
-        self.kv_budget = kv_budget(config, self._device_memory())
+        # trial capture below, whose graphs' memory is then taken from it. Verification
+        # computes logits for every row of every sequence's draft.
+        rows_per_seq = 1 if verify_shape is None else verify_shape[0]
+        self.kv_budget = kv_budget(config, self._device_memory(config.max_num_seqs
+                                                               * rows_per_seq))
         shapes = graph_shapes(config.max_num_seqs, verify_shape) if config.graphs_enabled else ()
         failed: GraphRunner | None = None  # a trial capture that failed (logged)
         reserved = 0
@@ -259,17 +262,18 @@ class ModelRunner:
         limit = self.model_config.max_model_len
         return min(self.config.max_model_len or limit, limit)
 
-    def _device_memory(self) -> DeviceMemory | None:
+    def _device_memory(self, num_logit_rows: int) -> DeviceMemory | None:
         """The device's memory after the weights and a profiling forward at the largest
-        step (memory_profile.py): on CUDA when the budget is not given, else None."""
+        step, with logits for num_logit_rows rows (memory_profile.py): on CUDA when the
+        budget is not given, else None."""
         config = self.config
         if (self.device.type != "cuda" or config.kv_cache_memory_bytes is not None
                 or config.num_kv_blocks is not None):
             return None
         return measure_device_memory(self.model, self.capture_layers, self._allocate_kv,
                                      config.block_size, self.model_config.vocab_size,
-                                     config.max_num_batched_tokens,
-                                     config.max_num_seqs, self.device)
+                                     config.max_num_batched_tokens, num_logit_rows,
+                                     self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         if self.driver is not None:
