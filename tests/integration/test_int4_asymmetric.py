@@ -12,6 +12,10 @@ dequantize at load (`CompressedTensorsConfig(dequantize=True)`, whose weights ar
 decompression rounded to the scale's bf16: the dense test checks that they are the oracle's
 weights so rounded), and it cannot load asymmetric MoE experts at all (its expert
 decompression drops `weight_zero_point`; compressed-tensors asserts).
+
+The runs above take the CPU path (the kernels' torch references); the last test runs the
+fused MoE Triton kernel under the interpreter on the experts exactly as the loader stacked
+them.
 """
 
 from __future__ import annotations
@@ -99,3 +103,26 @@ def test_moe_experts_with_zero_points_or_channel_scales_run_like_compressed_tens
     assert (experts.w13_zero_point is None) == SCHEMES[scheme][1]
     assert experts.group_size == SCHEMES[scheme][0]
     _compare(runner, decompressed_oracle(FIXTURE_MOE_DIR, tmp_path / "int4"))
+
+
+@pytest.mark.parametrize("scheme", ["group32-asym", "channel-asym"])
+def test_fused_kernel_reads_the_loaded_experts_as_the_reference_does(scheme: str,
+                                                                     tmp_path: Path) -> None:
+    """The experts as the loader stacked them are a valid operand of the Triton kernel
+    (TRITON_INTERPRET=1 here): bf16 tokens through kernel and reference agree within the
+    kernel tests' tolerance (tests/kernels/test_moe_w4a16.py: 2 eps of bf16, relative)."""
+    from specd.kernels.moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_ref
+
+    write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(*SCHEMES[scheme]),
+                     KIMI_IGNORE, lambda module: ROUTED_EXPERT.match(module) is not None)
+    experts = _runner(tmp_path / "int4").model.get_submodule("model.layers.2.mlp.experts")
+    assert isinstance(experts, Int4RoutedExperts)
+    weights = experts.weights()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, weights.hidden_size, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(weights.num_experts, generator=gen)[:2] for _ in range(7)])
+    pair_weights = torch.rand(7, 2, generator=gen)
+    ref = fused_moe_w4a16_ref(x, ids, pair_weights, weights).float()
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(fused_moe_w4a16(x, ids, pair_weights, weights).float(), ref,
+                               rtol=2 * eps, atol=2 * eps * float(ref.abs().max()))
