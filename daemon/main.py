@@ -222,6 +222,7 @@ def run_daemon(config: DaemonConfig) -> int:
         model_config = ModelConfig.from_dir(config.engine.model_path)
         check_vocabulary(tokenizer.vocab_size, model_config.vocab_size,
                          config.engine.model_path)
+        model_config.served_len(config.engine.max_model_len)  # the limit, a sliding window
     except (OSError, ValueError) as exc:
         return _config_failure(lifecycle, f"bad model: {exc}")
     lifecycle.starting("socket")

@@ -118,17 +118,8 @@ def log_switch(event: SpecEvent | None) -> None:
 def requested_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     """The longest sequence asked for: `config.max_model_len`, else the model's limit
     (max_position_embeddings). Raises a ValueError when it exceeds that limit or the
-    model's sliding window (`ModelConfig.check_window`)."""
-    limit = model_config.max_model_len
-    if config.max_model_len is None:
-        model_config.check_window(limit, "max_position_embeddings, as no max_model_len is set")
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's "
-            f"limit {limit}")
-    model_config.check_window(config.max_model_len, "max_model_len")
-    return config.max_model_len
+    model's sliding window (`ModelConfig.served_len`)."""
+    return model_config.served_len(config.max_model_len)
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:

@@ -143,6 +143,20 @@ class ModelConfig:
         """The model's own length limit: max_position_embeddings."""
         return self.max_position_embeddings
 
+    def served_len(self, max_model_len: int | None) -> int:
+        """The longest sequence asked for: `max_model_len` (the option), else
+        max_position_embeddings. Raises a ValueError when it exceeds that limit or the
+        sliding window (`check_window`). No torch: the front checks it before the
+        scheduler starts, and the engine again (engine_setup.requested_model_len)."""
+        limit = self.max_position_embeddings
+        if max_model_len is None:
+            self.check_window(limit, "max_position_embeddings, as no max_model_len is set")
+            return limit
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+        self.check_window(max_model_len, "max_model_len")
+        return max_model_len
+
     def check_window(self, length: int, source: str) -> None:
         """Raise a ValueError naming `sliding_window` when sequences of `length` tokens
         (whose value comes from `source`) would reach past the window: there the model

@@ -5,7 +5,8 @@ attends over the whole sequence, so (1) by default start-up refuses it, naming t
 window; (2) with `max_model_len` at the window its greedy output equals transformers'
 (float32, eager attention, which applies the window); (3) the refusal is needed: past the
 window transformers' logits with the window differ from those of full attention over the
-same weights, and full attention is what specd computes.
+same weights, and full attention is what specd computes. The daemon refuses such a model
+by name before it starts the scheduler.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from daemon_harness import Daemon
 
 import specd
+from specd.exit_codes import EXIT_CONFIG
+from specd.workers.config import FIXTURE_DIR
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,3 +111,24 @@ def test_past_the_window_full_attention_differs_from_the_model(windowed: Path,
     # specd computes full attention: past the window it follows the windowless model.
     prompt, new_tokens = PROMPTS[1], 2 * WINDOW
     assert specd_greedy(full, [prompt], [new_tokens]) == [hf_greedy(full, prompt, new_tokens)]
+
+
+def test_the_daemon_refuses_it_before_starting_the_scheduler(tmp_path: Path) -> None:
+    # The fixture as a Mistral with a 64-token window (2048 positions): the front names the
+    # window on the first screen and exits 78 before any weight is read.
+    model = tmp_path / "windowed-fixture"
+    model.mkdir()
+    for path in FIXTURE_DIR.iterdir():
+        if path.is_file() and path.name != "config.json":
+            (model / path.name).symlink_to(path)
+    config = json.loads((FIXTURE_DIR / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (model / "config.json").write_text(json.dumps(config))
+    daemon = Daemon(tmp_path, "--model", str(model), "--speculative-algorithm", "none")
+    try:
+        assert daemon.wait(60) == EXIT_CONFIG
+        (record,) = daemon.events("config_error")
+        assert "sliding_window 64" in record["msg"] and "--max-model-len 64" in record["msg"]
+        assert not daemon.events("scheduler_spawned")
+    finally:
+        daemon.stop()
