@@ -87,6 +87,7 @@ def test_a_failed_graph_capture_is_a_named_fallback_logged_once(
     _assert_logged_once_each(errors, set(fallbacks))
 
 
+@pytest.mark.slow  # warm-up runs every step kind --cpu-compile would compile (~50 s here)
 def test_a_failed_cpu_compilation_is_a_named_fallback_logged_once(
         monkeypatch: pytest.MonkeyPatch, errors: _Records) -> None:
     def compile(fn: Any, **options: Any) -> Any:

@@ -4,6 +4,7 @@ do, and after the hang timeout the daemon exits 75 with one record naming the ca
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,8 +38,10 @@ def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         assert healthy.returncode == 0
         lines = healthy.stdout.splitlines()
         assert "state        ready" in lines and "fallbacks    none" in lines
-        # Which code runs, from where, editable or not, at which commit.
-        front = provenance.report()
+        # Which code runs, from where, editable or not, at which commit (as the front
+        # found them at start: others may edit this tree while the test runs).
+        front = json.loads(specctl(daemon, "status", "--json").stdout)["provenance"]["front"]
+        assert front["root"] == str(provenance.package_dirs()["specd"])
         assert (f"code         {front['code_version']} over {front['num_source_files']} "
                 "files, scheduler the same") in lines
         commit = front["git"]["sha"][:12] if front["git"] else ""
