@@ -12,6 +12,7 @@ sharded tensor, nor another rank's experts. Each rank logs its progress per file
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from pathlib import Path
 
@@ -60,7 +61,9 @@ def load_model_shard(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         log.info("rank %d loaded %s (%d/%d)", par.rank, path.name, i + 1, len(files), extra={
             "event": "rank_load_progress", "rank": par.rank, "file": path.name,
             "files_done": i + 1, "files": len(files), "bytes_read": num_bytes,
-            "elapsed_s": round(time.monotonic() - t0, 3)})
+            "elapsed_s": round(time.monotonic() - t0, 3),
+            # The process's peak resident memory so far (Linux reports KiB).
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
     _check_complete(model, params, loaded)
     finish = getattr(model, "process_weights_after_loading", None)
     if finish is not None:
