@@ -223,7 +223,8 @@ def test_quantized_tensors_the_config_ignores_are_refused_by_name(
 
 def test_int4_kv_b_proj_is_refused(moe_int4: tuple[Path, dict[str, torch.Tensor]],
                                    tmp_path: Path) -> None:
-    """MLA splits kv_b_proj into W_UK and W_UV at load, so it must stay dense."""
+    """MLA splits kv_b_proj into W_UK and W_UV at load, so it must stay dense: refused by
+    name when the model is built, before any tensor is read."""
     from specd.workers.quantization import quantize_rtn
 
     src, tensors = moe_int4
@@ -236,5 +237,6 @@ def test_int4_kv_b_proj_is_refused(moe_int4: tuple[Path, dict[str, torch.Tensor]
     qcfg["ignore"] = [p if p != "re:.*self_attn.*" else "re:.*self_attn\\.(q|kv_a|o)_.*"
                       for p in qcfg["ignore"]]
     cfg = _rewrite(src, tmp_path / "m", tensors, quantization_config=qcfg)
-    with pytest.raises(ValueError, match="kv_b_proj must be a dense linear"):
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.kv_b_proj is INT4 under the "
+                                         r"checkpoint's quantization_config"):
         _load(cfg)

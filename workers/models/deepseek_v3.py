@@ -128,6 +128,10 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = make_linear(self.rank, cfg.num_heads * (self.nope + self.v_dim), False,
                                      (f"{prefix}.kv_b_proj",))
+        if not isinstance(getattr(self.kv_b_proj, "weight", None), torch.Tensor):
+            raise ValueError(f"{prefix}.kv_b_proj is INT4 under the checkpoint's "
+                             "quantization_config; its weight is split into W_UK and W_UV at "
+                             "load, so it must stay dense (name it in the ignore list)")
         self.o_proj = make_linear(cfg.num_heads * self.v_dim, hidden, bias, (f"{prefix}.o_proj",))
         # The absorbed projections, split from kv_b_proj at load (not checkpoint tensors).
         self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope, self.rank),
