@@ -39,7 +39,7 @@ def measure_device_memory(model: CausalLM, capture_layers: Sequence[int],
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     profile_forward(model, capture_layers, allocate_kv, block_size, vocab_size, num_tokens,
-                     num_sample_rows, device)
+                    num_sample_rows, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - baseline
     torch.cuda.empty_cache()
@@ -53,9 +53,9 @@ def measure_device_memory(model: CausalLM, capture_layers: Sequence[int],
 
 @torch.inference_mode()
 def profile_forward(model: CausalLM, capture_layers: Sequence[int],
-                     allocate_kv: Callable[[int], list[torch.Tensor]], block_size: int,
-                     vocab_size: int, num_tokens: int, num_sample_rows: int,
-                     device: torch.device) -> None:
+                    allocate_kv: Callable[[int], list[torch.Tensor]], block_size: int,
+                    vocab_size: int, num_tokens: int, num_sample_rows: int,
+                    device: torch.device) -> None:
     """One prefill-shaped forward over a one-block scratch cache, then logits and their
     softmax (the sampler's largest temporaries) for num_sample_rows rows."""
     scratch = allocate_kv(1)
