@@ -349,7 +349,7 @@ def linear_factory(cfg: ModelConfig) -> LinearFactory:
     # Imported only for quantized checkpoints: it pulls in the Triton INT4 kernel module.
     from specd.workers.quantization import linear_factory_for
 
-    return linear_factory_for(cfg.quantization_config, dense_linear)
+    return linear_factory_for(cfg.quantization_config, dense_linear, cfg.weight_prefix)
 
 
 def _checked_capture_layers(layers: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:

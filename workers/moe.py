@@ -41,7 +41,6 @@ from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16, fused_mo
 from specd.workers.deepseek_config import MoeConfig
 from specd.workers.layers import LinearFactory
 from specd.workers.moe_int4 import Int4RoutedExperts
-from specd.workers.quant_config import is_quantized
 from specd.workers.quantization import Int4LinearFactory
 
 # A routed expert's checkpoint tensor: (module prefix, expert, projection, kind), the kind
@@ -239,18 +238,20 @@ def build_routed_experts(cfg: MoeConfig, hidden_size: int, prefix: str,
     """The routed experts `{prefix}.{e}`: INT4 when the checkpoint's quantization_config (the
     factory's, for a quantized checkpoint) quantizes their projections, dense when it leaves
     them all out; ValueError naming one of each when it quantizes some and not others."""
-    qcfg = make_linear.quant_config if isinstance(make_linear, Int4LinearFactory) else None
+    size = (cfg.num_routed_experts, hidden_size, cfg.moe_intermediate_size, prefix)
+    if not isinstance(make_linear, Int4LinearFactory):
+        return RoutedExperts(*size)
     names = [f"{prefix}.{e}.{p}_proj" for e in range(cfg.num_routed_experts)
              for p in ("gate", "up", "down")]
-    flags = {name: is_quantized(name, qcfg) for name in names}
-    size = (cfg.num_routed_experts, hidden_size, cfg.moe_intermediate_size, prefix)
-    if qcfg is None or not any(flags.values()):
+    flags = {name: make_linear.is_quantized(name) for name in names}
+    if not any(flags.values()):
         return RoutedExperts(*size)
     if not all(flags.values()):
         dense = next(n for n, q in flags.items() if not q)
         quantized = next(n for n, q in flags.items() if q)
         raise ValueError(f"the quantization_config quantizes {quantized} but not {dense}; "
                          f"the routed experts of a layer must be all INT4 or all dense")
+    qcfg = make_linear.quant_config
     return Int4RoutedExperts(*size, qcfg.group_size, qcfg.symmetric)
 
 

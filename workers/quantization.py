@@ -31,7 +31,7 @@ from specd.workers.quant_config import COMPRESSED_TENSORS_VERSION, QuantConfig, 
 
 __all__ = [
     "COMPRESSED_TENSORS_VERSION", "Int4Linear", "Int4LinearFactory", "QuantConfig",
-    "build_int4_linear", "dequantize_int4", "int4_linear", "is_quantized", "linear_factory_for",
+    "dequantize_int4", "int4_linear", "is_quantized", "linear_factory_for",
     "make_linear_factory", "pack_int4", "quantize_rtn", "unpack_int4",
 ]
 
@@ -201,46 +201,48 @@ def check_weight_shape(name: str, weight_shape: torch.Tensor, out_features: int,
                          f"[{out_features}, {in_features}]")
 
 
-def build_int4_linear(prefix: str, in_features: int, out_features: int, bias: bool,
-                      qcfg: QuantConfig) -> Int4Linear:
-    """The Int4Linear for checkpoint module `prefix` (ValueError if qcfg leaves it dense)."""
-    if not is_quantized(prefix, qcfg):
-        raise ValueError(f"{prefix} is not quantized under the checkpoint's quantization_config "
-                         f"(targets {qcfg.targets}, ignore {qcfg.ignore})")
-    return Int4Linear(in_features, out_features, bias, qcfg.group_size,
-                      symmetric=qcfg.symmetric)
-
-
 def linear_factory_for(quantization_config: Mapping[str, Any] | None,
-                       dense: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+                       dense: Callable[..., nn.Module],
+                       name_prefix: str = "") -> Callable[..., nn.Module]:
     """The linear factory for a checkpoint whose config.json holds `quantization_config`
-    (None: `dense` itself); ValueError if the config is not one specd supports."""
+    (None: `dense` itself); ValueError if the config is not one specd supports. name_prefix:
+    `ModelConfig.weight_prefix` (see `Int4LinearFactory`)."""
     if quantization_config is None:
         return dense
-    return make_linear_factory(QuantConfig.from_dict(quantization_config), dense)
+    return make_linear_factory(QuantConfig.from_dict(quantization_config), dense, name_prefix)
 
 
 @dataclass(frozen=True)
 class Int4LinearFactory:
     """A `LinearFactory` (workers/layers.py) for a quantized checkpoint: Int4Linear where every
     fused name is quantized, `dense(...)` where none is, ValueError where the shards disagree.
-    `quant_config` is the scheme, read by MoE layers to build INT4 routed experts."""
+    `quant_config` is the scheme, read by MoE layers to build INT4 routed experts.
+
+    Names are matched against `targets` and `ignore` as the checkpoint spells them:
+    `name_prefix` + the model's module name (Kimi-K2.5's language model sits under
+    `language_model.`), as compressed-tensors matches the checkpoint's own modules."""
 
     quant_config: QuantConfig
     dense: Callable[..., nn.Module]
+    name_prefix: str = ""
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the model's module `name` is INT4 in the checkpoint."""
+        return is_quantized(self.name_prefix + name, self.quant_config)
 
     def __call__(self, in_features: int, out_features: int, bias: bool,
                  names: tuple[str, ...]) -> nn.Module:
-        flags = [is_quantized(name, self.quant_config) for name in names]
+        flags = [self.is_quantized(name) for name in names]
         if not any(flags):
             return self.dense(in_features, out_features, bias, names)
         if not all(flags):
             raise ValueError(f"fused linear {names} mixes INT4 and dense shards "
                              f"({dict(zip(names, flags, strict=True))}); it cannot be fused")
-        return build_int4_linear(names[0], in_features, out_features, bias, self.quant_config)
+        return Int4Linear(in_features, out_features, bias, self.quant_config.group_size,
+                          symmetric=self.quant_config.symmetric)
 
 
-def make_linear_factory(qcfg: QuantConfig | None,
-                        dense: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+def make_linear_factory(qcfg: QuantConfig | None, dense: Callable[..., nn.Module],
+                        name_prefix: str = "") -> Callable[..., nn.Module]:
     """The linear factory for a checkpoint quantized under `qcfg` (None: `dense` itself)."""
-    return dense if qcfg is None else Int4LinearFactory(qcfg, dense)
+    return dense if qcfg is None else Int4LinearFactory(qcfg, dense, name_prefix)

@@ -396,6 +396,21 @@ def test_linear_factory_picks_int4_or_dense_per_module() -> None:
         factory(80, 16, False, ("l.0.down_proj",))
 
 
+def test_names_are_matched_as_the_checkpoint_spells_them() -> None:
+    """Kimi-K2.5's language model sits under `language_model.`: its config's exact names and
+    anchored patterns carry the prefix, and the factory matches the model's names with it."""
+    def dense(i: int, o: int, bias: bool, names: tuple[str, ...]) -> nn.Module:
+        return nn.Linear(i, o, bias=bias)
+
+    config = _with("ignore", ["language_model.lm_head", r"re:language_model\.model\..*attn.*"])
+    factory = linear_factory_for(config, dense, "language_model.")
+    assert isinstance(factory(64, 1000, False, ("lm_head",)), nn.Linear)
+    assert isinstance(factory(64, 64, False, ("model.layers.0.self_attn.o_proj",)), nn.Linear)
+    assert isinstance(factory(64, 64, False, ("model.layers.0.mlp.down_proj",)), Int4Linear)
+    unprefixed = linear_factory_for(config, dense)
+    assert isinstance(unprefixed(64, 1024, False, ("lm_head",)), Int4Linear)
+
+
 # ----------------------------------------------------------------------------- the tool
 
 
