@@ -28,6 +28,7 @@ from specd.workers.engine_setup import (
 )
 from specd.workers.isolation import Isolation, describe
 from specd.workers.model_config import ModelConfig
+from specd.workers.parallel.driver import RankFailed
 from specd.workers.plain_worker import Pending, StepWorker
 from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import FinishReason
@@ -195,6 +196,8 @@ class EngineCore:
         alone = self.isolation.next_alone(self.scheduler.sequences)
         try:
             self._execute(alone)
+        except RankFailed:
+            raise  # a tensor-parallel rank is gone: no request is to blame
         except Exception as exc:  # noqa: BLE001 - blamed on a request, or StepFailed
             self._recover(exc, alone)
         else:

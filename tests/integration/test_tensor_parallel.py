@@ -10,6 +10,9 @@ really ran sharded.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from heldout import heldout_prompt_ids
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine import EngineCore
+from specd.workers.parallel.driver import RankFailed
 
 PROMPTS = heldout_prompt_ids(3, 7, 11)
 NEW_TOKENS = 12
@@ -79,3 +83,27 @@ def test_expert_parallel_generates_the_size_one_tokens(
                                 expert_parallel=True)
     assert tokens == single_rank["fixture-moe"]
     assert (accepted > 0) == (spec_mode == "on")
+
+
+def test_a_worker_rank_killed_mid_stream_fails_the_engine_not_a_request() -> None:
+    """SIGKILL of rank 1 between steps: the next step raises RankFailed (which the engine
+    does not isolate: the scheduler process exits 75) within a second, naming the rank."""
+    torch.set_num_threads(1)
+    core = EngineCore(EngineConfig(dtype="float32", speculative_algorithm=None,
+                                   tensor_parallel_size=2))
+    try:
+        core.add_request("r0", PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True))
+        core.step()
+        driver = core.runner.driver
+        assert driver is not None
+        rank1 = driver.workers.processes[0]
+        assert rank1.pid is not None
+        os.kill(rank1.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            while True:  # a step that began before the kill may still complete
+                core.step()
+        assert time.monotonic() - started < 2.0
+    finally:
+        core.close()

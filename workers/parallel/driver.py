@@ -11,14 +11,20 @@ the same collectives in the same order. Outputs are rank 0's.
 The calls travel over one pipe per worker, serialized once (a broadcast without a
 collective: a worker waiting for the next step has no timeout to run out while the engine
 is idle, and sees EOF when rank 0 is gone). The collectives inside a forward carry
-`COLLECTIVE_TIMEOUT`. Failure handling beyond that (a rank that dies mid-stream failing the
-open requests) is not built yet.
+`COLLECTIVE_TIMEOUT`.
+
+A rank that dies is a failure of the whole engine, never of a request: a call that finds
+a worker gone, or that raises while one is gone (the collective it was in broke) or from
+torch.distributed itself, raises `RankFailed`, which `EngineCore.step` does not isolate, so
+the scheduler process exits 75 and the front fails every open request. Workers die with
+rank 0 (PR_SET_PDEATHSIG) and exit on EOF of their pipe.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -42,6 +48,13 @@ from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_work
 log = logging.getLogger("specd.parallel")
 
 STOP_TIMEOUT_S = 10.0
+# After a call raised: how long a worker may take to be seen exited (the broken collective
+# is often noticed before the dead process is reaped).
+EXIT_GRACE_S = 0.5
+
+
+class RankFailed(RuntimeError):
+    """A worker rank died or the process group broke: the engine cannot go on."""
 
 
 class WorkerGroup:
@@ -58,7 +71,8 @@ class WorkerGroup:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         for rank in range(1, world):
             ours, theirs = context.Pipe()
-            spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level)
+            spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level,
+                            os.getpid())
             process = context.Process(target=run_worker, args=(spec, theirs),
                                       name=f"specd-rank{rank}", daemon=True)
             process.start()
@@ -83,10 +97,35 @@ class WorkerGroup:
                 raise RuntimeError(f"rank {rank} failed while starting:\n{detail}")
 
     def send(self, op: str, *args: object) -> None:
-        """Send one call to every worker (serialized once)."""
+        """Send one call to every worker (serialized once); RankFailed if one is gone."""
+        self.check_alive(0.0)
         data = encode(op, *args)
-        for pipe in self.pipes:
-            pipe.send_bytes(data)
+        for rank, pipe in enumerate(self.pipes, 1):
+            try:
+                pipe.send_bytes(data)
+            except OSError as e:
+                raise RankFailed(f"rank {rank} no longer reads its calls ({e})") from e
+
+    def check_alive(self, grace_s: float) -> None:
+        """RankFailed naming the first worker that has exited (waiting up to `grace_s` for
+        each to be seen exited)."""
+        for rank, process in enumerate(self.processes, 1):
+            if grace_s:
+                process.join(grace_s)
+            if not process.is_alive():
+                raise RankFailed(f"rank {rank} (pid {process.pid}) exited with code "
+                                 f"{process.exitcode}")
+
+    def call_failed(self, error: Exception) -> None:
+        """Rank 0's call raised `error`: RankFailed (chained to it) when a worker is gone
+        or torch.distributed raised; otherwise the caller re-raises `error` (the same
+        error on every rank: the model's, which the engine isolates)."""
+        try:
+            self.check_alive(EXIT_GRACE_S)
+        except RankFailed as failed:
+            raise failed from error
+        if isinstance(error, dist.DistError):
+            raise RankFailed(f"the process group failed: {error}") from error
 
     def close(self) -> None:
         """Stop the workers (`stop`, then SIGTERM after STOP_TIMEOUT_S) and leave the group."""
@@ -122,18 +161,31 @@ class DriverModel(nn.Module):
                 kv_caches: Sequence[torch.Tensor], meta: AttentionMetadata,
                 capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.workers.send("forward", input_ids, positions, meta, tuple(capture_layers))
-        return self.local(input_ids, positions, kv_caches, meta, capture_layers)
+        try:
+            return self.local(input_ids, positions, kv_caches, meta, capture_layers)
+        except Exception as e:
+            self.workers.call_failed(e)
+            raise
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.workers.send("logits", hidden)
-        return self.local.compute_logits(hidden)
+        try:
+            return self.local.compute_logits(hidden)
+        except Exception as e:
+            self.workers.call_failed(e)
+            raise
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.workers.send("embed", input_ids)
-        return self.local.embed_tokens(input_ids)
+        try:
+            return self.local.embed_tokens(input_ids)
+        except Exception as e:
+            self.workers.call_failed(e)
+            raise
 
     def copy_kv_slots(self, kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
                       dst_slots: torch.Tensor) -> None:
+        # No collective: a worker that died during the copy is seen at the next call.
         self.workers.send("copy_kv", src_slots, dst_slots)
         self.local.copy_kv_slots(kv_caches, src_slots, dst_slots)
 

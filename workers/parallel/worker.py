@@ -49,6 +49,7 @@ class RankSpec:
     config: EngineConfig
     num_threads: int
     log_level: str
+    parent_pid: int
 
 
 def encode(op: str, *args: Any) -> bytes:
@@ -66,6 +67,10 @@ def decode(data: bytes, device: torch.device) -> tuple[str, tuple[Any, ...]]:
 
 def run_worker(spec: RankSpec, conn: Connection) -> None:
     """The process entry of rank `spec.rank` (see module docstring)."""
+    # Killed with rank 0 even when stopped or inside a collective (prctl(2)).
+    from specd.workers.scheduler_process import die_with_parent
+
+    die_with_parent(spec.parent_pid)
     setup_logging("json", spec.log_level)
     torch.set_num_threads(spec.num_threads)
     config = spec.config
@@ -118,7 +123,13 @@ class RankServer:
             op, args = decode(data, self.device)
             if op == "stop":
                 return
-            self.call(op, args)
+            try:
+                self.call(op, args)
+            except Exception:  # noqa: BLE001 - rank 0 raises the same and handles it
+                # A model error (a request the model cannot compute) happens on every rank
+                # at the same point; this rank stays in step with rank 0, which isolates it.
+                log.exception("call %s raised on rank %d", op, dist.get_rank(), extra={
+                    "event": "rank_call_failed", "op": op})
 
     def call(self, op: str, args: tuple[Any, ...]) -> None:
         model = self.model
