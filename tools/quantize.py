@@ -115,13 +115,16 @@ def quantize_checkpoint(src: Path, dst: Path, group_size: int, extra_ignore: lis
     qcfg = QuantConfig(group_size=group_size, ignore=tuple(ignore))
     chosen = is_block_linear if recipe == "dense" else (
         lambda name, ndim: ndim == 2 and is_routed_expert(name))
-    dst.mkdir(parents=True, exist_ok=True)
     files = list(checkpoint_files(src))
-    total = 0
+    names: list[str] = []
     for path, _ in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            total += len(list(f.keys()))
-    bar = ProgressBar(total)
+            names += f.keys()
+    if recipe == "moe" and not any(is_routed_expert(name) for name in names):
+        raise ValueError(f"{src} has no routed expert weights (...mlp.experts.E.*_proj.weight) "
+                         f"for the moe recipe to quantize")
+    dst.mkdir(parents=True, exist_ok=True)
+    bar = ProgressBar(len(names))
     weight_map: dict[str, str] = {}
     total_bytes = 0
     for path, _ in files:

@@ -480,6 +480,38 @@ def test_quantize_tool_output_decompresses_with_compressed_tensors(tmp_path: Pat
             assert ".layers." not in name or name.endswith("norm.weight")
 
 
+def test_moe_recipe_refuses_a_checkpoint_without_routed_experts(tmp_path: Path) -> None:
+    _write_bf16_checkpoint(tmp_path / "bf16")
+    with pytest.raises(ValueError, match="no routed expert weights"):
+        quantize_tool.quantize_checkpoint(tmp_path / "bf16", tmp_path / "int4", 32, [], "moe")
+    assert not (tmp_path / "int4").exists()
+
+
+def test_moe_recipe_quantizes_the_routed_experts_only(tmp_path: Path) -> None:
+    """A tiny DeepSeek-shaped checkpoint (a dense layer, a MoE layer with two experts, a
+    shared expert and the router): only the experts are packed, the rest is byte-identical,
+    and compressed-tensors reads Kimi's ignore list back."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = {"model.layers.0.mlp.gate_proj": (96, 64), "model.layers.0.self_attn.o_proj": (64, 64),
+              "model.layers.1.mlp.gate": (2, 64),
+              "model.layers.1.mlp.shared_experts.up_proj": (32, 64),
+              **{f"model.layers.1.mlp.experts.{e}.{p}_proj": (32, 64) if p != "down" else (64, 32)
+                 for e in range(2) for p in ("gate", "up", "down")}}
+    tensors = {f"{m}.weight": torch.randn(*s, generator=gen).bfloat16() for m, s in shapes.items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}')
+    assert quantize_tool.main([str(tmp_path / "bf16"), str(tmp_path / "int4"), "--recipe", "moe",
+                               "--group-size", "32"]) == 0
+    written = _read_dir(tmp_path / "int4")
+    packed = {n.removesuffix(".weight_packed") for n in written if n.endswith("weight_packed")}
+    assert packed == {m for m in shapes if ".experts." in m}
+    for module in set(shapes) - packed:
+        assert torch.equal(written[f"{module}.weight"], tensors[f"{module}.weight"]), module
+    raw = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
+    assert QuantizationConfig.model_validate(raw).ignore == list(quantize_tool.MOE_IGNORE)
+
+
 def test_quantize_tool_refuses_bad_input(tmp_path: Path) -> None:
     src = tmp_path / "bf16"
     _write_bf16_checkpoint(src)
