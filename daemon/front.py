@@ -43,6 +43,9 @@ log = logging.getLogger("specd.front")
 
 TICK_S = 0.1
 PROBE_INTERVAL_S = 5.0  # an idle scheduler is asked for its figures this often (at most)
+# Start-up stages that send heartbeats while they progress (workers/stage_watch.py): silence
+# for the hang timeout there is a hang. Warm-up compiles and captures without them.
+WATCHED_STAGES = ("load",)
 PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive
 EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
 STACK_DUMP_WAIT_S = 0.5
@@ -157,7 +160,13 @@ class Front:
     def _check_health(self, now: float) -> None:
         if self.state is State.STARTING:
             elapsed = now - self.started
-            if elapsed > self.config.startup_timeout_s:
+            stalled_s = now - self.last_progress
+            if (self.scheduler_stage in WATCHED_STAGES and not self.is_hung
+                    and stalled_s > self.config.hang_timeout_s):
+                self.is_hung = True
+                self.spawn(self._on_hang(f"no progress for {stalled_s:.1f} s in stage "
+                                         f"{self.scheduler_stage}"))
+            elif elapsed > self.config.startup_timeout_s:
                 self._fail(EXIT_SCHEDULER_FAILED,
                            f"scheduler sent no Ready within {self.config.startup_timeout_s:g} s "
                            f"(stage {self.scheduler_stage})")
@@ -176,7 +185,9 @@ class Front:
             self._probe_if_quiet(now)
         if is_stalled and not self.is_hung:
             self.is_hung = True
-            self.spawn(self._on_hang(stalled_s, is_busy))
+            self.spawn(self._on_hang(
+                f"no progress for {stalled_s:.1f} s with {len(self.table)} open requests"
+                if is_busy else f"no answer for {stalled_s:.1f} s while idle"))
         interval = self.lifecycle.watchdog_interval
         if interval is not None and now - self.last_watchdog >= interval:
             self.last_watchdog = now
@@ -267,12 +278,11 @@ class Front:
         self.scheduler.kill()
         self._finish_run(code)
 
-    async def _on_hang(self, stalled_s: float, is_busy: bool) -> None:
+    async def _on_hang(self, what: str) -> None:
+        """Dump the scheduler's stacks (faulthandler, SIGUSR1), then fail with them (75)."""
         self.scheduler.request_stack_dump()
         await asyncio.sleep(STACK_DUMP_WAIT_S)
         stacks = self.scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
-        what = (f"no progress for {stalled_s:.1f} s with {len(self.table)} open requests"
-                if is_busy else f"no answer for {stalled_s:.1f} s while idle")
         self._fail(EXIT_SCHEDULER_FAILED,
                    f"scheduler hung: {what}; process {self.scheduler.pid} is "
                    f"{self.scheduler.process_state()}", traceback=stacks)
@@ -315,8 +325,13 @@ class Front:
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
+            self.note_progress()
             if message.code_version and message.code_version != self.code_version:
                 self._refuse_other_code(message)
+                return
+            if message.stage == self.scheduler_stage and message.detail:  # a heartbeat
+                self.lifecycle.still_starting(f"scheduler: {message.stage}, {message.detail}",
+                                              time.monotonic() - self.started)
                 return
             self.scheduler_stage = message.stage
             self.lifecycle.starting(f"scheduler: {message.stage}")

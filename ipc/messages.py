@@ -283,12 +283,14 @@ class StartupStage(_Link, frozen=True, tag="stage"):
     """Sent as the scheduler enters each start-up stage (for sd_notify STATUS). Entering
     "load" it carries its code version, where its `specd` package lies and every source
     file's digest (provenance.py), so the front refuses other code before the model loads
-    and names the files that differ."""
+    and names the files that differ. A message repeating the current stage with a `detail`
+    is a heartbeat of progress within it (workers/stage_watch.py)."""
 
     stage: str
     code_version: str = ""
     source_root: str = ""
     file_digests: dict[str, str] = msgspec.field(default_factory=dict)
+    detail: str = ""
 
 
 class Ready(_Link, frozen=True, tag="ready"):

@@ -43,6 +43,7 @@ from specd.ipc.zmq_link import LinkPaths
 from specd.logs import setup_logging
 from specd.workers.config import EngineConfig
 from specd.workers.io_threads import LinkFailure, LinkIO
+from specd.workers.stage_watch import StageWatch
 
 if TYPE_CHECKING:
     from specd.workers.engine import EngineCore, RequestDelta
@@ -162,19 +163,20 @@ def start_engine(config_json: str, io: LinkIO) -> EngineCore:
     stage = "config"
     try:
         config = engine_config_from_json(config_json)
+        # Hash the sources as this process starts, as the front did just before starting
+        # it (the same moment, give or take a second), before importing them: the version
+        # of the code we run, which the front checks before the model loads.
+        code_version = provenance.code_version()
         stage = "import"
         io.send(m.StartupStage(stage))
         from specd.workers.engine import EngineCore
-
-        # Hash the sources right after importing them: the version of the code we run,
-        # which the front checks before the model loads.
-        code_version = provenance.code_version()
 
         stage = "load"
         io.send(m.StartupStage(stage, code_version=code_version,
                                source_root=str(provenance.package_dirs()["specd"]),
                                file_digests=provenance.file_digests()))
-        core = EngineCore(config)
+        with StageWatch(io, stage):  # heartbeats while the load moves (the front's watchdog)
+            core = EngineCore(config)
         stage = "warmup"
         io.send(m.StartupStage(stage))
         started = time.monotonic()

@@ -1,6 +1,7 @@
 """A scheduler that stops answering while idle, as the operator sees it: `specctl status`
 says `unresponsive` and names the stopped process, `specctl doctor` fails saying what to
-do, and after the hang timeout the daemon exits 75 with one record naming the cause."""
+do, and after the hang timeout the daemon exits 75 with one record naming the cause. A
+model load that stops progressing fails the same way, its stacks in the record."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from daemon_harness import Daemon
 
 from specd import provenance
@@ -27,6 +30,7 @@ def specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # idles past the hang timeout, then waits for it again (~30 s)
 def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S)).wait_ready()
@@ -69,5 +73,36 @@ def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         (record,) = daemon.events("scheduler_failed")
         assert "no answer" in record["msg"] and "while idle" in record["msg"]
         assert f"process {pid} is stopped" in record["msg"]
+    finally:
+        daemon.stop()
+
+
+def test_a_load_that_stops_progressing_dumps_the_stacks_and_exits_75(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The load blocks on a lock nobody releases: no CPU, no reads, the same Python line.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import sys
+        if "specd.workers.scheduler_process" in sys.orig_argv:
+            import threading
+
+            import specd.workers.engine as engine
+
+            def planted_deadlock(self, config):
+                lock = threading.Lock()
+                lock.acquire()
+                lock.acquire()
+
+            engine.EngineCore.__init__ = planted_deadlock
+    """))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    daemon = Daemon(tmp_path, "--hang-timeout-s", "3")
+    try:
+        assert daemon.wait(120) == EXIT_SCHEDULER_FAILED
+        (record,) = daemon.events("scheduler_failed")
+        assert "no progress for" in record["msg"] and "in stage load" in record["msg"]
+        assert "planted_deadlock" in record["scheduler_traceback"]  # faulthandler's dump
     finally:
         daemon.stop()
