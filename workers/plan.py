@@ -7,24 +7,26 @@ workers/moe.py, workers/quantization.py, workers/spec/draft_model.py), per rank:
 
 * unquantized weights, norms and biases in the serving dtype; the MoE router (weight and
   correction bias) in float32 whatever the dtype (moe.TopkRouter keeps it so);
-* an INT4 linear (quantization.Int4Linear): `weight_packed` int32 [out, in/8], `weight_scale`
-  [out, in/group] in the serving dtype, `weight_shape` int64 [2]; routed experts the same
-  per expert projection (kernels/moe_w4a16.py stacks them);
+* an INT4 linear (quantization.Int4Linear) or routed-expert projection (moe_int4.
+  Int4RoutedExperts): `weight_packed` int32 [out, in/8], `weight_scale` [out, groups] in the
+  serving dtype (in/group_size groups, one channel-wise), `weight_zero_point` int32
+  [out/8, groups] when asymmetric, `weight_shape` int64 [2];
 * MLA's absorbed W_UK / W_UV: a second copy of kv_b_proj's local heads (buffers);
-* tensor parallel (the sharding the notes give, ../shared/notes/mla_moe_tp.md §4): q heads,
-  dense KV heads (whole heads, replicated when fewer than N), MLP widths and each expert's
-  width split N ways; q_a_proj, kv_a_proj_with_mqa, norms, row-parallel biases and the router
-  whole on every rank; embedding and lm_head split by vocabulary rows (ceil(V / N) each);
-  with expert parallelism, E / N whole routed experts per rank instead;
-* the EAGLE-3 head whole on the GPU of rank 0 (replicated, or run there alone: either way
-  that GPU holds all of it); it shares the target's embedding when its checkpoint has none
-  (one process, N = 1), and under N > 1 the plan counts a full copy of the embedding for it,
-  since a rank holds only a slice of the target's.
+* tensor parallel, as workers/parallel/sharding.py splits the model: q and dense KV heads,
+  MLP widths and each expert's width split N ways (every split dimension divisible by N,
+  INT4 splits along whole groups); q_a_proj, kv_a_proj_with_mqa, norms, row-parallel biases
+  (zeros off rank 0) and the router whole on every rank; embedding and lm_head split by
+  vocabulary rows; with expert parallelism, E / N whole routed experts per rank instead;
+* the EAGLE-3 head whole on rank 0, the only rank that runs it; it shares the target's
+  embedding when its checkpoint has none, which under N > 1 is a copy of the whole
+  embedding (rank 0's target holds only its vocabulary range: ModelRunner.draft_embedding_weight).
 
 KV cache per token: MLA's latent row [kv_lora_rank + rope] per layer, whole on every rank;
 dense K and V of the rank's KV heads per layer; plus the head's K/V (one layer, its KV heads).
-The memory left for the cache is gpu_memory * utilization - weights - reserve (activations,
-MoE workspace, captured graphs, communication buffers).
+The memory left for the cache is gpu_memory * memory_fraction - weights - reserve (activations,
+MoE workspace, captured graphs, communication buffers), the rule of
+../shared/notes/mla_moe_tp.md §5; the plan's `specd` command line passes that figure as
+--kv-cache-memory-bytes, so the engine holds the cache the plan counts.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from typing import Any
 from specd.workers.model_config import ModelConfig
 from specd.workers.plan_weights import PlanOptions, WeightPart, draft_head_parts, target_parts
 from specd.workers.spec.draft_config import DraftConfig
+from specd.workers.spec.head_files import (
+    BIN_INDEX,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    find_weights,
+)
 
 __all__ = ["Plan", "PlanOptions", "WeightPart", "make_plan", "read_config", "read_draft"]
 
@@ -62,7 +70,7 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.options.gpu_memory_bytes * self.options.utilization)
+        return int(self.options.gpu_memory_bytes * self.options.memory_fraction)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -101,7 +109,7 @@ class Plan:
             "model": str(self.model_dir), "draft_model": self.draft_dir and str(self.draft_dir),
             "tensor_parallel_size": o.tensor_parallel_size, "expert_parallel": o.expert_parallel,
             "dtype": o.dtype, "gpu_memory_bytes": o.gpu_memory_bytes,
-            "utilization": o.utilization, "usable_bytes": self.usable_bytes,
+            "memory_fraction": o.memory_fraction, "usable_bytes": self.usable_bytes,
             "weights": {p.kind: {"bytes": p.bytes, "placement": p.placement}
                         for p in self.parts},
             "weight_bytes": self.weight_bytes, "reserve_bytes": o.reserve_bytes,
@@ -140,9 +148,9 @@ def read_config(model_dir: Path) -> tuple[ModelConfig, Mapping[str, Any] | None]
 
 
 def read_draft(draft_dir: Path) -> tuple[DraftConfig, bool]:
-    """(the head's config, whether its checkpoint carries its own embedding). The second comes
-    from the safetensors header (tensor names, no weights); without a weights file the head
-    is taken to share the target's embedding, as published heads do."""
+    """(the head's config in any published format, whether its checkpoint carries its own
+    token embedding). The second comes from the tensor names alone (`_head_tensor_names`);
+    without a weights file the head is taken to share the target's, as published heads do."""
     path = draft_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"draft model: {path} not found")
@@ -150,18 +158,27 @@ def read_draft(draft_dir: Path) -> tuple[DraftConfig, bool]:
         config = DraftConfig.from_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
-    return config, "embed_tokens.weight" in _tensor_names(draft_dir / "model.safetensors")
+    names = {name.removeprefix("model.") for name in _head_tensor_names(draft_dir)}
+    return config, "embed_tokens.weight" in names
 
 
-def _tensor_names(path: Path) -> set[str]:
-    """Tensor names of a safetensors file from its header (8-byte length, then JSON), with
-    the head loader's `model.` prefix dropped; empty when the file is absent."""
-    if not path.is_file():
+def _head_tensor_names(draft_dir: Path) -> set[str]:
+    """The head's tensor names as stored, read without their data (workers/spec/head_files.py
+    lists the layouts): a safetensors header (8-byte length, then JSON), an index's
+    weight_map, or a pickled state dict memory-mapped; empty when there are no weights."""
+    try:
+        path = find_weights(draft_dir)
+    except FileNotFoundError:
         return set()
-    with path.open("rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return {name.removeprefix("model.") for name in header if name != "__metadata__"}
+    if path.name in (SAFETENSORS_INDEX, BIN_INDEX):
+        return set(json.loads(path.read_text())["weight_map"])
+    if path.name == SAFETENSORS_FILE:
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            return set(json.loads(f.read(length))) - {"__metadata__"}
+    import torch  # a pickled head only: mapped, not read
+
+    return set(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
 
 
 def make_plan(model_dir: Path, draft_dir: Path | None, options: PlanOptions) -> Plan:

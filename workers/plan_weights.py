@@ -22,7 +22,7 @@ GATE_UP_DOWN = ("gate", "up", "down")
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How the model is to be served. gpu_memory_bytes: one GPU's memory; utilization: the
+    """How the model is to be served. gpu_memory_bytes: one GPU's memory; memory_fraction: the
     fraction of it specd may use; reserve_bytes: what the plan keeps for activations, graphs
     and buffers; block_size: KV tokens per block (the engine's --block-size)."""
 
@@ -30,7 +30,7 @@ class PlanOptions:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     dtype: str = "bfloat16"
-    utilization: float = 0.90
+    memory_fraction: float = 0.90
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     block_size: int = 16
     max_model_len: int | None = None
@@ -42,8 +42,8 @@ class PlanOptions:
             raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
-        if not 0 < self.utilization <= 1:
-            raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.reserve_bytes < 0:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
         if self.block_size < 1:
@@ -67,12 +67,13 @@ class WeightPart:
 class _Tally:
     """Bytes per kind of weight on one GPU, in the order first seen (one plan's builder)."""
 
-    def __init__(self, options: PlanOptions, qcfg: QuantConfig | None) -> None:
+    def __init__(self, options: PlanOptions, qcfg: QuantConfig | None, name_prefix: str) -> None:
         self.n = options.tensor_parallel_size
         self.ep = options.expert_parallel
         self.dtype = options.dtype
         self.dt = DTYPE_BYTES[options.dtype]
         self.qcfg = qcfg
+        self.name_prefix = name_prefix
         self.bytes: dict[str, int] = {}
         self.placement: dict[str, str] = {}
         self.precision: dict[str, set[str]] = {}
@@ -87,8 +88,8 @@ class _Tally:
         """One (possibly fused) linear on this rank: [out_local, in_local] and `bias` bias
         elements; INT4 when every fused name is quantized (as make_linear_factory)."""
         if self._is_int4(names):
-            self.add(kind, int4_bytes(names[0], in_local, out_local, self.group_size, self.dt)
-                     + WEIGHT_SHAPE_BYTES + bias * self.dt, placement, "INT4")
+            self.add(kind, self.int4_bytes(names[0], in_local, out_local) + bias * self.dt,
+                     placement, "INT4")
         else:
             self.add(kind, (in_local * out_local + bias) * self.dt, placement, self.dtype)
 
@@ -97,22 +98,43 @@ class _Tally:
         self.add(kind, elements * self.dt, placement, self.dtype)
 
     def _is_int4(self, names: tuple[str, ...]) -> bool:
-        flags = [is_quantized(name, self.qcfg) for name in names]
+        flags = [self.is_quantized(name) for name in names]
         if any(flags) and not all(flags):
             raise ValueError(f"fused linear {names} mixes INT4 and dense shards in the "
                              f"quantization_config; the engine cannot build it")
         return all(flags)
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the model's module `name` is INT4: matched as the checkpoint spells it,
+        under the weight prefix (Int4LinearFactory.is_quantized)."""
+        return is_quantized(self.name_prefix + name, self.qcfg)
 
     @property
     def whole(self) -> str:
         """The placement of a replicated weight."""
         return "whole on every rank" if self.n > 1 else "whole"
 
-    @property
-    def group_size(self) -> int:
+    def int4_bytes(self, name: str, in_features: int, out_features: int) -> int:
+        """One INT4 linear (or expert projection) of [out, in] on this rank (Int4Linear,
+        Int4RoutedExperts): weight_packed int32 [out, ceil(in/8)], weight_scale [out, groups]
+        in the serving dtype (groups = in / group_size, 1 channel-wise), weight_zero_point
+        int32 [ceil(out/8), groups] when asymmetric, weight_shape int64 [2]. ValueError naming
+        the linear when a split leaves partial groups or words."""
         if self.qcfg is None:
-            raise ValueError("an INT4 linear without a quantization config")
-        return self.qcfg.group_size
+            raise ValueError(f"{name}: INT4 without a quantization config")
+        group = self.qcfg.group_size
+        if group is not None and in_features % group:
+            raise ValueError(f"{name}: {in_features} input columns (per rank) are not whole "
+                             f"INT4 groups of {group}; choose a tensor-parallel size that "
+                             f"keeps them whole")
+        if not self.qcfg.symmetric and self.n > 1 and out_features % PACK_FACTOR:
+            raise ValueError(f"{name}: {out_features} output rows per rank split the zero "
+                             f"points' int32 words (8 rows each); choose a tensor-parallel "
+                             f"size that keeps them whole")
+        groups = in_features // group if group is not None else 1
+        zero_points = 0 if self.qcfg.symmetric else -(-out_features // PACK_FACTOR) * groups * 4
+        return (out_features * -(-in_features // PACK_FACTOR) * 4
+                + out_features * groups * self.dt + zero_points + WEIGHT_SHAPE_BYTES)
 
     def parts(self) -> tuple[WeightPart, ...]:
         return tuple(WeightPart(f"{kind} ({' + '.join(sorted(self.precision[kind]))})", nbytes,
@@ -120,48 +142,30 @@ class _Tally:
                      for kind, nbytes in self.bytes.items())
 
 
-def int4_bytes(name: str, in_features: int, out_features: int, group_size: int,
-               scale_bytes: int) -> int:
-    """weight_packed int32 [out, in/8] + weight_scale [out, in/group]; ValueError naming the
-    linear when its (per-rank) input is not whole groups."""
-    if in_features % group_size:
-        raise ValueError(f"{name}: {in_features} input columns (per rank) are not whole INT4 "
-                         f"groups of {group_size}; choose a tensor-parallel size that keeps "
-                         f"them whole")
-    return (out_features * (in_features // PACK_FACTOR) * 4
-            + out_features * (in_features // group_size) * scale_bytes)
-
-
-def kv_heads_per_rank(num_kv_heads: int, n: int) -> int:
-    """Whole KV heads per rank: split when there are at least N, else one replicated head."""
-    return num_kv_heads // n if num_kv_heads >= n else 1
-
-
 def check_split(cfg: ModelConfig, options: PlanOptions) -> None:
     """ValueError naming the config value that N ranks cannot split."""
     n = options.tensor_parallel_size
     what = f"tensor-parallel size {n}"
 
-    def need(value: int, field: str) -> None:
+    def need(value: int, field: str, why: str = "") -> None:
         if value % n:
-            raise ValueError(f"{field} ({value}) is not divisible by the {what}")
+            raise ValueError(f"{field} ({value}) is not divisible by the {what}{why}")
 
     need(cfg.num_heads, "num_attention_heads")
     if cfg.mla is None:
-        kv = cfg.num_kv_heads
-        if (kv >= n and kv % n) or (kv < n and n % kv):
-            raise ValueError(f"num_key_value_heads ({kv}) and the {what} must divide one "
-                             f"another (KV heads are split, or replicated when fewer)")
+        need(cfg.num_kv_heads, "num_key_value_heads", " (K/V heads are split, never copied)")
+    need(cfg.vocab_size, "vocab_size", " (the embedding and lm_head are split by rows)")
+    need(cfg.intermediate_size, "intermediate_size")
     moe = cfg.moe
-    if moe is None or any(not moe.is_moe_layer(i) for i in range(cfg.num_layers)):
-        need(cfg.intermediate_size, "intermediate_size")
     if moe is not None:
-        need(moe.moe_intermediate_size * moe.num_shared_experts, "the shared experts' width "
-             "(moe_intermediate_size * n_shared_experts)")
+        need(moe.moe_intermediate_size * moe.num_shared_experts,
+             "moe_intermediate_size * n_shared_experts", " (the shared experts' width)")
         if options.expert_parallel:
-            need(moe.num_routed_experts, "n_routed_experts (whole experts per rank)")
+            need(moe.num_routed_experts, "n_routed_experts",
+                 " (expert parallelism places whole experts on ranks)")
         else:
-            need(moe.moe_intermediate_size, "moe_intermediate_size")
+            need(moe.moe_intermediate_size, "moe_intermediate_size",
+                 " (each routed expert's width is split)")
     if options.expert_parallel and moe is None:
         raise ValueError(f"expert parallelism needs routed experts; {cfg.architecture} has none")
 
@@ -172,7 +176,7 @@ def target_parts(cfg: ModelConfig, quantization_config: Mapping[str, Any] | None
     model on one GPU."""
     check_split(cfg, options)
     qcfg = None if quantization_config is None else QuantConfig.from_dict(quantization_config)
-    tally = _Tally(options, qcfg)
+    tally = _Tally(options, qcfg, cfg.weight_prefix)
     n, h = options.tensor_parallel_size, cfg.hidden_size
     for i in range(cfg.num_layers):
         tally.plain("norms", 2 * h, tally.whole)
@@ -184,7 +188,7 @@ def target_parts(cfg: ModelConfig, quantization_config: Mapping[str, Any] | None
             _gated_mlp(tally, "MLP", f"model.layers.{i}.mlp", h, cfg.intermediate_size,
                        cfg.mlp_bias)
     tally.plain("norms", h, tally.whole)
-    vocab_rows = -(-cfg.vocab_size // n)
+    vocab_rows = cfg.vocab_size // n
     split = f"vocabulary split {n} ways ({vocab_rows} rows each)" if n > 1 else "whole"
     tally.plain("embedding", vocab_rows * h, split)
     if not cfg.tie_word_embeddings:
@@ -202,17 +206,16 @@ def _kv_per_token(cfg: ModelConfig, tally: _Tally) -> tuple[int, str]:
         return (cfg.num_layers * size * tally.dt,
                 f"MLA latent [{cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim}] per layer, "
                 + tally.whole)
-    kv_local = kv_heads_per_rank(cfg.num_kv_heads, tally.n)
+    kv_local = cfg.num_kv_heads // tally.n
     return (2 * cfg.num_layers * kv_local * cfg.head_dim * tally.dt,
             f"K and V of {kv_local} of {cfg.num_kv_heads} KV heads per layer on each rank")
 
 
 def _dense_attention(cfg: ModelConfig, i: int, tally: _Tally) -> None:
     n, h, d = tally.n, cfg.hidden_size, cfg.head_dim
-    heads, kv = cfg.num_heads // n, kv_heads_per_rank(cfg.num_kv_heads, n)
+    heads, kv = cfg.num_heads // n, cfg.num_kv_heads // n
     where = f"model.layers.{i}.self_attn"
-    placement = (f"q heads split {n} ways, KV heads "
-                 f"{'split' if cfg.num_kv_heads >= n else 'replicated'}" if n > 1 else "whole")
+    placement = f"q and KV heads split {n} ways" if n > 1 else "whole"
     qkv_out = (heads + 2 * kv) * d
     tally.linear("attention", placement, tuple(f"{where}.{x}_proj" for x in "qkv"), h, qkv_out,
                  qkv_out if cfg.qkv_bias else 0)
@@ -285,15 +288,15 @@ def _routed_experts(tally: _Tally, prefix: str, num_experts: int, hidden: int,
         local_experts, local_width = num_experts, width // n
         placement = f"each expert's width split {n} ways" if n > 1 else "whole"
     names = tuple(f"{prefix}.{e}.{proj}_proj" for e in range(num_experts) for proj in GATE_UP_DOWN)
-    flags = {is_quantized(name, tally.qcfg) for name in names}
+    flags = {tally.is_quantized(name) for name in names}
     if len(flags) > 1:
         raise ValueError(f"{prefix}: the quantization_config makes some routed experts INT4 and "
                          f"others dense; the experts are stacked and must be one or the other")
     if flags == {True}:
-        group = tally.group_size
-        per_expert = (int4_bytes(f"{prefix}.gate_up_proj", hidden, 2 * local_width, group,
-                                 tally.dt)
-                      + int4_bytes(f"{prefix}.down_proj", local_width, hidden, group, tally.dt))
+        # gate and up are two projections of [I, H], down one of [H, I]; each keeps its
+        # weight_shape (Int4RoutedExperts' w13_shape, w2_shape).
+        per_expert = (2 * tally.int4_bytes(f"{prefix}.gate_proj", hidden, local_width)
+                      + tally.int4_bytes(f"{prefix}.down_proj", local_width, hidden))
         tally.add("routed experts", local_experts * per_expert, placement, "INT4")
     else:
         tally.plain("routed experts", local_experts * 3 * hidden * local_width, placement)
@@ -317,10 +320,10 @@ def draft_head_parts(draft: DraftConfig, has_embedding: bool, options: PlanOptio
     if has_embedding:
         note = "the draft head carries its own embedding"
     elif own_embedding:
-        note = ("the draft head's embedding is counted whole: rank 0 holds only a slice of "
-                "the target's")
+        note = ("the draft head on rank 0 holds a copy of the whole token embedding (the "
+                "target's there is a vocabulary range)")
     else:
         note = "the draft head shares the target's embedding"
     part = WeightPart(f"draft head ({options.dtype})", nbytes,
-                      "whole on rank 0's GPU" if options.tensor_parallel_size > 1 else "whole")
+                      "whole, on rank 0 only" if options.tensor_parallel_size > 1 else "whole")
     return part, 2 * kv * dt, note

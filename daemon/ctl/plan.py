@@ -22,8 +22,10 @@ LABEL_WIDTH = 42
               help="place whole routed experts on ranks instead of splitting each expert")
 @click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), required=True,
               help="memory of one GPU in GiB (an H200: 141; nvidia-smi's total / 1024)")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
-              default=0.90, show_default=True, help="fraction of each GPU's memory specd may use")
+@click.option("--memory-fraction", type=click.FloatRange(0, 1, min_open=True),
+              default=0.90, show_default=True,
+              help="fraction of each GPU's memory for specd as a whole: weights, reserve and "
+              "KV cache together")
 @click.option("--reserve-gib", type=click.FloatRange(min=0), default=8.0, show_default=True,
               help="per GPU, kept for activations, the MoE workspace, captured graphs and "
               "communication buffers")
@@ -39,7 +41,7 @@ LABEL_WIDTH = 42
 @click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
 @click.pass_context
 def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_parallel: bool,
-         gpu_memory_gib: float, gpu_memory_utilization: float, reserve_gib: float,
+         gpu_memory_gib: float, memory_fraction: float, reserve_gib: float,
          draft_model: str | None, dtype: str, block_size: int, max_model_len: int | None,
          as_json: bool) -> None:
     """Plan serving MODEL (a model directory, or an embedded model: fixture, fixture-moe)
@@ -61,7 +63,7 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
         options = PlanOptions(
             gpu_memory_bytes=int(gpu_memory_gib * GIB),
             tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
-            dtype=dtype, utilization=gpu_memory_utilization,
+            dtype=dtype, memory_fraction=memory_fraction,
             reserve_bytes=int(reserve_gib * GIB), block_size=block_size,
             max_model_len=max_model_len)
         result = make_plan(resolved.model_path, resolved.draft_model_path, options)
@@ -115,7 +117,7 @@ def render(f: dict[str, Any]) -> list[str]:
                  if f["draft_kv_bytes_per_token"] else ""),
               "",
               f"memory{header}",
-              _row(f"usable ({f['utilization']:.2f} of one GPU)", f["usable_bytes"]),
+              _row(f"usable ({f['memory_fraction']:.2f} of one GPU)", f["usable_bytes"]),
               _row("- weights", f["weight_bytes"]),
               _row("- reserve (activations, graphs, buffers)", f["reserve_bytes"]),
               _row("= KV cache", f["kv_budget_bytes"]),

@@ -10,27 +10,37 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
 from torch import nn
 
 import specd
 from specd.daemon.ctl.cli import cli
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES
+from specd.workers.kv_cache import allocate_kv_cache
 from specd.workers.layers import dense_linear
 from specd.workers.loader import load_model
 from specd.workers.model_config import ModelConfig
-from specd.workers.models import build_meta_model
+from specd.workers.model_runner import linear_factory
+from specd.workers.models import MODEL_CLASSES, build_meta_model
+from specd.workers.parallel.context import ParallelContext
+from specd.workers.parallel.loader import load_model_shard
+from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.plan import Plan, PlanOptions, make_plan
 from specd.workers.quantization import linear_factory_for
 from specd.workers.spec.draft_model import load_draft_head
 
 GIB = 2**30
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
+INTEGRATION_DIR = Path(__file__).resolve().parents[1] / "integration"
 KIMI_QUANTIZATION = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "quantization_status": "compressed",
@@ -89,8 +99,9 @@ def _ptrs(module: nn.Module) -> set[int]:
     return {t.data_ptr() for t in [*module.parameters(), *module.buffers()]}
 
 
-def _plan(model: str, **options: Any) -> Plan:
-    model_dir, draft_dir = FIXTURES[model] if model in FIXTURES else (Path(model), None)
+def _plan(fixture: str, **options: Any) -> Plan:
+    """The plan of an embedded model with its own head, on 1 GiB GPUs."""
+    model_dir, draft_dir = FIXTURES[fixture]
     return make_plan(model_dir, draft_dir, PlanOptions(gpu_memory_bytes=GIB, **options))
 
 
@@ -98,9 +109,8 @@ def _part(plan: Plan, kind: str) -> int:
     return sum(p.bytes for p in plan.parts if p.kind.startswith(kind + " ("))
 
 
-def _run(*args: str) -> Any:
-    result = CliRunner().invoke(cli, ["plan", *args])
-    return result
+def _run(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["plan", *args])
 
 
 # ---- N = 1 against the engine ---------------------------------------------------------
@@ -148,7 +158,7 @@ def test_bfloat16_plan_keeps_the_router_in_float32_as_the_loader_does() -> None:
 def int4_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dense fixture quantized by tools/quantize.py: INT4 decoder linears (group 32) but
     down_proj, whose 688 inputs are not whole groups, and lm_head, kept bf16."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    sys.path.insert(0, str(TOOLS_DIR))
     import quantize as quantize_tool
 
     dst = tmp_path_factory.mktemp("int4") / "fixture-int4"
@@ -167,6 +177,51 @@ def test_int4_plan_equals_the_int4_linears_the_loader_builds(int4_fixture: Path)
     assert [p.kind for p in plan.parts if "INT4" in p.kind] == ["attention (INT4)",
                                                                  "MLP (INT4 + bfloat16)"]
     assert _part(plan, "lm_head") == target.lm_head.weight.nbytes  # ignored: stays bf16
+
+
+@pytest.fixture(scope="module")
+def int4_moe_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MoE fixture quantized by tools/quantize.py's MoE recipe (Kimi's layout: routed
+    experts INT4, group 32, symmetric; the rest bf16)."""
+    sys.path.insert(0, str(TOOLS_DIR))
+    import quantize as quantize_tool
+
+    dst = tmp_path_factory.mktemp("int4-moe") / "fixture-moe-int4"
+    assert quantize_tool.main([str(FIXTURE_MOE_DIR), str(dst), "--recipe", "moe"]) == 0
+    return dst
+
+
+def _assert_plan_equals_loaded(model_dir: Path, num_moe_layers: int) -> None:
+    cfg = ModelConfig.from_dir(model_dir)
+    factory = linear_factory_for(cfg.quantization_config, dense_linear)
+    target = load_model(cfg, torch.device("cpu"), torch.bfloat16, factory)
+    plan = make_plan(model_dir, None, PlanOptions(gpu_memory_bytes=GIB))
+    layers = [layer.mlp.experts for layer in target.model.layers
+              if hasattr(layer.mlp, "experts")]
+    assert [p.kind for p in plan.parts if "INT4" in p.kind] == ["routed experts (INT4)"]
+    assert _part(plan, "routed experts") == _storage_bytes(*layers)
+    assert plan.weight_bytes == _storage_bytes(target)
+    assert len(layers) == num_moe_layers
+
+
+def test_int4_moe_plan_equals_the_int4_experts_the_loader_builds(
+        int4_moe_fixture: Path) -> None:
+    _assert_plan_equals_loaded(int4_moe_fixture, 3)
+
+
+@pytest.mark.parametrize("group_size", [32, None], ids=["group32", "channel"])
+def test_asymmetric_int4_experts_count_their_zero_points(group_size: int | None,
+                                                         tmp_path: Path) -> None:
+    """Checkpoints written by compressed-tensors' own compressor (zero points packed along
+    the output rows; channel-wise: one scale per row)."""
+    pytest.importorskip("compressed_tensors")
+    sys.path.insert(0, str(INTEGRATION_DIR))
+    from ct_asymmetric import ct_scheme, write_checkpoint
+
+    expert = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj$")
+    write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(group_size, False),
+                     list(KIMI_QUANTIZATION["ignore"]), lambda m: expert.match(m) is not None)
+    _assert_plan_equals_loaded(tmp_path / "int4", 3)
 
 
 # ---- the full Kimi-K2 shape -------------------------------------------------------------
@@ -228,7 +283,11 @@ def test_expert_parallel_holds_48_whole_experts_and_the_same_bytes_per_gpu(
     ep = make_plan(kimi_dir, None, PlanOptions(**options, expert_parallel=True))
     experts = [p for p in ep.parts if p.kind.startswith("routed experts")]
     assert experts[0].placement == "48 whole experts per rank"
-    assert ep.weight_bytes == tp.weight_bytes  # the note: EP8 + TP8 attention, same total
+    # The note: EP8 experts + TP8 attention hold the same bytes per GPU, but for each expert's
+    # three weight_shape tensors (int64 [2]), which every rank keeps for all 384 under TP.
+    shapes = (384 - 48) * 3 * 16 * 60
+    assert _part(tp, "routed experts") - _part(ep, "routed experts") == shapes
+    assert ep.weight_bytes == tp.weight_bytes - shapes
 
 
 def test_kimi_k2_on_four_gpus_does_not_fit(kimi_dir: Path) -> None:
@@ -251,20 +310,89 @@ def test_two_ranks_halve_the_split_weights_and_keep_the_replicated_ones() -> Non
     assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token  # 1 of 2 KV heads per rank
 
 
-def test_more_ranks_than_kv_heads_replicate_one_kv_head_per_rank() -> None:
-    # The fixture has 4 q heads and 2 KV heads: at 4 ranks each holds 1 q head and 1 KV head.
-    two, four = (_plan("fixture", tensor_parallel_size=n) for n in (2, 4))
-    assert four.kv_bytes_per_token == two.kv_bytes_per_token
-    assert "KV heads replicated" in next(p.placement for p in four.parts
-                                         if p.kind.startswith("attention"))
+@pytest.mark.parametrize(("model", "n", "expert_parallel"), [
+    ("fixture", 2, False), ("fixture-moe", 2, False), ("fixture-moe", 2, True),
+    ("fixture-moe", 4, True)])
+def test_plan_equals_the_shard_rank_zero_loads(model: str, n: int,
+                                               expert_parallel: bool) -> None:
+    """workers/parallel's loader reads rank 0's slices in this process (no process group)."""
+    cfg = ModelConfig.from_dir(FIXTURES[model][0])
+    shard = load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, dense_linear,
+                             ParallelContext(0, n, expert_parallel))
+    plan = make_plan(cfg.model_dir, None, PlanOptions(
+        gpu_memory_bytes=GIB, tensor_parallel_size=n, expert_parallel=expert_parallel))
+    assert plan.weight_bytes == _storage_bytes(shard)
+    tokens = 5 * 16
+    kv = allocate_kv_cache(shard_model_config(cfg, ParallelContext(0, n, expert_parallel)),
+                           5, 16, torch.bfloat16, torch.device("cpu"))
+    assert plan.kv_bytes_per_token * tokens == sum(t.nbytes for t in kv)
 
 
-def test_draft_head_is_whole_on_rank_zero_with_its_own_embedding_copy_when_split() -> None:
+def test_int4_moe_plan_equals_the_shard_rank_zero_loads(int4_moe_fixture: Path) -> None:
+    cfg = ModelConfig.from_dir(int4_moe_fixture)
+    shard = load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
+                             ParallelContext(0, 2, expert_parallel=True))
+    plan = make_plan(int4_moe_fixture, None, PlanOptions(
+        gpu_memory_bytes=GIB, tensor_parallel_size=2, expert_parallel=True))
+    assert plan.weight_bytes == _storage_bytes(shard)
+
+
+def test_int4_experts_split_into_partial_groups_are_refused_as_the_loader_refuses_them(
+        int4_moe_fixture: Path) -> None:
+    """The fixture's experts are 96 wide, 3 groups of 32: two ranks would hold 48 each."""
+    cfg = ModelConfig.from_dir(int4_moe_fixture)
+    with pytest.raises(ValueError, match="group_size 32 does not divide"):
+        load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
+                         ParallelContext(0, 2))
+    result = _run(str(int4_moe_fixture), "-tp", "2", "--gpu-memory-gib", "1")
+    assert result.exit_code == 2
+    assert "48 input columns (per rank) are not whole INT4 groups of 32" in result.output
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp8", "ep8"])
+def test_kimi_k2_int4_plan_equals_rank_zero_built_on_the_meta_device(
+        kimi_dir: Path, expert_parallel: bool) -> None:
+    cfg = ModelConfig.from_dir(kimi_dir)
+    par = ParallelContext(0, 8, expert_parallel)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](shard_model_config(cfg, par),
+                                                linear_factory(cfg), torch.device("cpu"), par)
+    model.to(torch.bfloat16)
+    plan = make_plan(kimi_dir, None, PlanOptions(gpu_memory_bytes=141 * GIB,
+                                                 tensor_parallel_size=8,
+                                                 expert_parallel=expert_parallel))
+    assert plan.weight_bytes == sum(t.numel() * t.element_size()
+                                    for t in [*model.parameters(), *model.buffers()])
+
+
+def test_draft_head_is_whole_on_rank_zero_with_a_copy_of_the_embedding_when_split() -> None:
     one, two = _plan("fixture"), _plan("fixture", tensor_parallel_size=2)
     cfg = ModelConfig.from_dir(FIXTURE_DIR)
     embedding = cfg.vocab_size * cfg.hidden_size * 2  # bf16
     assert _part(two, "draft head") == _part(one, "draft head") + embedding
     assert two.draft_kv_bytes_per_token == one.draft_kv_bytes_per_token
+
+
+def test_a_head_with_its_own_embedding_counts_it_as_the_head_loader_keeps_it(
+        tmp_path: Path) -> None:
+    """The head's tensors (with an embedding of its own) stored as a pickled state dict: the
+    plan reads the names only, and loading keeps the head's embedding beside the target's."""
+    source = FIXTURES["fixture"][1]
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    shutil.copy(source / "config.json", head_dir / "config.json")
+    tensors = load_file(str(source / "model.safetensors"))
+    cfg = ModelConfig.from_dir(FIXTURE_DIR)
+    tensors["model.embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    torch.save(tensors, head_dir / "pytorch_model.bin")
+    target_embedding = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    head = load_draft_head(head_dir, target_embedding, dtype=torch.bfloat16)
+
+    plan = make_plan(FIXTURE_DIR, head_dir, PlanOptions(gpu_memory_bytes=GIB))
+
+    assert _part(plan, "draft head") == _storage_bytes(head, exclude={
+        target_embedding.data_ptr()})
+    assert "the draft head carries its own embedding" in plan.assumptions
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -275,6 +403,14 @@ def test_a_directory_without_config_json_is_a_usage_error_naming_the_file(
     result = _run(str(tmp_path), "--gpu-memory-gib", "80")
     assert result.exit_code == 2
     assert f"{tmp_path / 'config.json'}: not found" in result.output
+
+
+def test_ranks_that_do_not_divide_the_kv_heads_are_refused_naming_them() -> None:
+    # The fixture has 4 q heads and 2 KV heads; the engine splits K/V heads, never copies.
+    result = _run("fixture", "-tp", "4", "--gpu-memory-gib", "80")
+    assert result.exit_code == 2
+    assert "num_key_value_heads (2) is not divisible by the tensor-parallel size 4" in \
+        result.output
 
 
 def test_ranks_that_do_not_divide_the_heads_are_refused_naming_them() -> None:
@@ -290,7 +426,8 @@ def test_expert_parallel_ranks_that_do_not_divide_the_experts_are_refused(
     result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "8", "--expert-parallel",
                   "--gpu-memory-gib", "141")
     assert result.exit_code == 2
-    assert "n_routed_experts (whole experts per rank) (380) is not divisible" in result.output
+    assert "n_routed_experts (380) is not divisible by the tensor-parallel size 8" in \
+        result.output
 
 
 def test_int4_row_split_into_partial_groups_is_refused_naming_the_linear(
