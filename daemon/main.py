@@ -103,8 +103,10 @@ DAEMON_HELP = {
     "operator_uid": "besides root, the uid allowed to send drain, stop and spec; default: "
                     "the daemon's own uid.",
     "drain_timeout_s": "on SIGTERM or drain, how long open requests may still run.",
-    "hang_timeout_s": "a scheduler with work and no step for this long is hung: its "
-                      "stacks are logged, it is killed, the daemon exits 75.",
+    "hang_timeout_s": "a scheduler that makes no progress for this long is hung (with "
+                      "work: no step; idle: no answer to the front's probes; loading the "
+                      "model: no heartbeat): its stacks are logged, it is killed, the daemon "
+                      "exits 75.",
     "startup_timeout_s": "the scheduler must load and warm up within this (seconds).",
     "max_stop_strings": "most stop strings per request.",
     "max_stop_chars": "longest stop string, in characters.",
