@@ -78,8 +78,10 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
 
 
 def serve_command(figures: dict[str, Any]) -> str:
-    """The `specd` command line that serves the plan (its KV budget as the cache's)."""
-    words = ["specd", "--model", figures["model"]]
+    """The `specd` command line that serves the plan on the GPUs. The cache is given as the
+    plan's block count: each rank then holds exactly what the plan counts (a budget in bytes
+    would be divided by the whole model's bytes per block, not a rank's)."""
+    words = ["specd", "--model", figures["model"], "--device", "cuda"]
     if figures["draft_model"]:
         words += ["--draft-model", figures["draft_model"]]
     if figures["tensor_parallel_size"] > 1:
@@ -87,7 +89,7 @@ def serve_command(figures: dict[str, Any]) -> str:
     if figures["expert_parallel"]:
         words.append("--expert-parallel")
     words += ["--dtype", figures["dtype"], "--block-size", str(figures["block_size"]),
-              "--kv-cache-memory-bytes", str(figures["kv_budget_bytes"])]
+              "--num-kv-blocks", str(figures["num_kv_blocks"])]
     return " ".join(words)
 
 

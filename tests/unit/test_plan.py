@@ -262,9 +262,10 @@ def test_kimi_k2_int4_on_8_h200_fits_with_the_note_per_gpu_figures(kimi_dir: Pat
     # The note: 607 k tokens per GPU at 141e9 B, 733 k at 150.8e9 B; 141 GiB is 151.4e9 B
     # with an 8 GiB (not 8 GB) reserve and the float32 router.
     assert 607_000 <= plan["kv_tokens"] <= 733_000
-    assert plan["serve_command"].endswith(
-        f"--tensor-parallel-size 8 --dtype bfloat16 --block-size 16 "
-        f"--kv-cache-memory-bytes {plan['kv_budget_bytes']}")
+    assert plan["serve_command"] == (
+        f"specd --model {kimi_dir} --device cuda --tensor-parallel-size 8 --dtype bfloat16 "
+        f"--block-size 16 --num-kv-blocks {plan['num_kv_blocks']}")
+    assert plan["num_kv_blocks"] * 16 == plan["kv_tokens"]
 
 
 def test_kimi_k2_table_names_each_kind_and_the_verdict(kimi_dir: Path) -> None:
