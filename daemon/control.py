@@ -133,10 +133,9 @@ class Control:
         ready = front.ready
         # A scheduler that does not answer is reported, not hidden behind `ready`: the
         # watchdog fails the daemon if it stays silent for the hang timeout.
-        is_unresponsive = "error" in engine or front.is_unresponsive
         connection.send(m.StatusReply(
             id=query_id,
-            state="unresponsive" if is_unresponsive else front.state.value,
+            state="unresponsive" if "error" in engine else front.reported_state,
             protocol=m.PROTOCOL_VERSION,
             version=specd.__version__,
             uptime_s=time.monotonic() - front.started,

@@ -203,6 +203,12 @@ class Front:
             self.control.probe()
 
     @property
+    def reported_state(self) -> str:
+        """The state status and /health report: the lifecycle's, or `unresponsive` while
+        the scheduler owes an answer (the hang watchdog fails the daemon if it stays so)."""
+        return "unresponsive" if self.is_unresponsive else self.state.value
+
+    @property
     def is_unresponsive(self) -> bool:
         """The scheduler owes an answer: a probe went unanswered for a probe interval, or
         its process is stopped (SIGSTOP, a debugger). Status then reports `unresponsive`."""

@@ -215,7 +215,7 @@ class Error(_Reply, frozen=True, tag="error"):
 
 class StatusReply(_Reply, frozen=True, tag="status"):
     id: int
-    state: str  # starting | ready | draining | failed
+    state: str  # starting | ready | draining | failed | unresponsive
     protocol: int
     version: str
     uptime_s: float

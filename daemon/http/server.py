@@ -193,8 +193,8 @@ class HttpServer:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        state = self.front.state
-        return json_response({"status": state.value}, 200 if state is State.READY else 503)
+        state = self.front.reported_state  # `unresponsive`: the scheduler owes an answer
+        return json_response({"status": state}, 200 if state == State.READY.value else 503)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         peer = HttpPeer(self.front.new_connection_id(), self.front.counters)

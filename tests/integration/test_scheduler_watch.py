@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,18 +32,30 @@ def specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+def _health(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
 @pytest.mark.slow  # idles past the hang timeout, then waits for it again (~30 s)
 def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         tmp_path: Path) -> None:
-    daemon = Daemon(tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S)).wait_ready()
+    daemon = Daemon(tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S),
+                    "--http", "127.0.0.1:0").wait_ready()
     try:
         pid = daemon.scheduler_pid
+        (listening,) = daemon.events("http_listening")
+        health_url = f"http://{listening['host']}:{listening['port']}/health"
         # Idle past the hang timeout: the probes are answered, nothing fails.
         time.sleep(HANG_TIMEOUT_S + 1)
         healthy = specctl(daemon, "status")
         assert healthy.returncode == 0
         lines = healthy.stdout.splitlines()
         assert "state        ready" in lines and "fallbacks    none" in lines
+        assert _health(health_url) == (200, '{"status":"ready"}')
         # Which code runs, from where, editable or not, at which commit (as the front
         # found them at start: others may edit this tree while the test runs).
         front = json.loads(specctl(daemon, "status", "--json").stdout)["provenance"]["front"]
@@ -63,6 +77,7 @@ def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         assert f"process {pid} is stopped (state T" in line
         assert "batch" not in status.stdout  # no `?` figures standing in for the cause
 
+        assert _health(health_url) == (503, '{"status":"unresponsive"}')
         doctor = specctl(daemon, "doctor")
         assert doctor.returncode == EXIT_DOCTOR_PROBLEM
         assert "FAIL  daemon: state unresponsive" in doctor.stdout
