@@ -96,6 +96,13 @@ class EngineStats:
     # Documented fallbacks in force (backend.py): name -> reason; empty when all runs as
     # configured. Each was logged once, with its traceback, when it happened.
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # The model's vocabulary: prompt and logit_bias token ids must be below it.
+    vocab_size: int = 0
+    # Auto mode's live marks (the `spec` request changes them): speculation stops above
+    # spec_threshold running requests and resumes at spec_resume_at or fewer; None
+    # without a draft model.
+    spec_threshold: int | None = None
+    spec_resume_at: int | None = None
 
 
 class EngineCore:
@@ -383,4 +390,7 @@ class EngineCore:
             num_step_failures=self.isolation.num_step_failures,
             num_requests_failed=self.isolation.num_requests_failed,
             fallbacks={f.name: f.reason for f in self.runner.backend.fallbacks()},
+            vocab_size=self.model_config.vocab_size,
+            spec_threshold=None if self.spec is None else self.spec.controller.threshold,
+            spec_resume_at=None if self.spec is None else self.spec.controller.resume_at,
         )
