@@ -7,11 +7,14 @@ Oracle: transformers' DeepseekV3ForCausalLM with its compressed-tensors integrat
 decompresses every expert with compressed-tensors' own code. Greedy in float32, specd's
 tokens equal transformers' token for token on held-out prompts, with speculation off and on
 (the fixture's own EAGLE-3 head, trained on the bf16 model, drafts for the INT4 one).
+Laid out as Kimi-K2.5 (tensors under `language_model.`), the same checkpoint serves the same
+logits.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,13 @@ from heldout import heldout_prompt_ids
 from torch import nn
 
 from specd.ipc.sampling import SamplingParams
+from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine import EngineCore
+from specd.workers.model_runner import ModelRunner, prepare_inputs
 from specd.workers.moe_int4 import Int4RoutedExperts
 from specd.workers.quantization import Int4Linear
+from specd.workers.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -96,3 +102,37 @@ def test_int4_moe_fixture_generates_transformers_tokens(int4_dir: Path,
     assert list(out.values()) == expected
     if core.spec is not None:
         assert core.stats().acceptance_length > 1.5
+
+
+def _prefill_logits(model_dir: Path) -> torch.Tensor:
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", block_size=16,
+                                      num_kv_blocks=8))
+    seq = Sequence("p", PROMPTS[2], SamplingParams())
+    seq.block_ids = list(range(-(-seq.num_tokens // 16)))
+    batch = ScheduledBatch([ScheduledSequence(seq, seq.num_tokens)])
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.forward(prepare_inputs(batch, 16,
+                                                                         runner.device)))
+
+
+def test_kimi_k25_wrapper_matches_names_with_its_language_model_prefix(
+        int4_dir: Path, tmp_path: Path) -> None:
+    """The same INT4 checkpoint as Kimi-K2.5 lays it out (config under text_config, tensors
+    under `language_model.`, a vision tower beside it, the ignore list naming
+    `language_model.lm_head`) serves the same logits: names are matched with the prefix."""
+    from safetensors.torch import load_file, save_file
+
+    wrapped = tmp_path / "k25"
+    shutil.copytree(int4_dir, wrapped)
+    tensors = {f"language_model.{k}": v
+               for k, v in load_file(int4_dir / "model.safetensors").items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(wrapped / "model.safetensors"))
+    text = json.loads((int4_dir / "config.json").read_text())
+    qcfg = text.pop("quantization_config")
+    qcfg["ignore"] = ["language_model.lm_head", "re:vision_tower.*", *qcfg["ignore"][1:]]
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": text, "vision_config": {}, "quantization_config": qcfg}
+    (wrapped / "config.json").write_text(json.dumps(config))
+    torch.testing.assert_close(_prefill_logits(wrapped), _prefill_logits(int4_dir), atol=0,
+                               rtol=0)
