@@ -1,6 +1,6 @@
-"""The daemon at tensor-parallel size 2 on the CPU: it serves, and SIGKILL of one worker rank
+"""The daemon at tensor-parallel size 2 on the CPU: it serves; SIGKILL of the worker rank
 mid-stream gives every client an error frame (`scheduler_unavailable`) and ends specd with
-exit 75 within 10 s, leaving no rank behind."""
+exit 75 within 10 s, leaving no rank behind; SIGSTOP of it is caught by the hang watchdog."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from test_daemon_failures import StreamInThread, _is_dead
 
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 from specd.ipc import errors
+
+HANG_TIMEOUT_S = 15
 
 
 @pytest.mark.slow  # a daemon whose scheduler starts a second rank and warms both: ~40 s
@@ -36,6 +38,34 @@ def test_a_worker_rank_killed_mid_stream_fails_every_request_and_exits_75(
         assert daemon.wait() == EXIT_SCHEDULER_FAILED
         assert time.monotonic() - killed_at < 10.0
         assert any("RankFailed" in str(r) for r in daemon.events("scheduler_failed"))
+        assert _is_dead(worker_pid)
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow  # as above
+def test_a_stopped_worker_rank_is_caught_by_the_hang_watchdog(tmp_path: Path) -> None:
+    """SIGSTOP of the worker rank: rank 0 waits inside a collective, no step completes, the
+    front's hang watchdog kills the scheduler (exit 75, the client told `hung`), and the
+    stopped rank dies with it (PR_SET_PDEATHSIG)."""
+    # Not shorter: loading waits on the other rank without progress (workers/stage_watch.py).
+    daemon = Daemon(tmp_path, "--tensor-parallel-size", "2", "--hang-timeout-s",
+                    str(HANG_TIMEOUT_S)).wait_ready()
+    try:
+        (ready,) = daemon.events("tensor_parallel_ready")
+        (worker_pid,) = ready["worker_pids"]
+        stream = StreamInThread(daemon)
+        assert stream.first_delta.wait(60)
+        stopped_at = time.monotonic()
+        os.kill(worker_pid, signal.SIGSTOP)
+        stream.join()
+        assert isinstance(stream.error, errors.SchedulerUnavailable)
+        assert "hung" in stream.error.message
+        assert daemon.wait() == EXIT_SCHEDULER_FAILED
+        assert time.monotonic() - stopped_at < HANG_TIMEOUT_S + 10.0
+        deadline = time.monotonic() + 5
+        while not _is_dead(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert _is_dead(worker_pid)
     finally:
         daemon.stop()

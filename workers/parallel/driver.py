@@ -1,12 +1,12 @@
 """Rank 0 of tensor parallelism: the scheduler process's side.
 
-`start_parallel_model` starts ranks 1..N-1 (worker.py, one spawned process each), joins the
-process group with them, loads rank 0's own shard while they load theirs, and waits until
-every rank reports ready (a rank that fails raises here with its traceback; the others are
-stopped). It returns a `DriverModel`: the model interface the runner, its backends and the
-speculative worker call (`forward`, `compute_logits`, `embed_tokens`, `copy_kv_slots`),
-each call sent to every worker first and then run on rank 0's shard, so all ranks reach
-the same collectives in the same order. Outputs are rank 0's.
+`start_parallel_model` starts ranks 1..N-1 (worker.py, one spawned process each), loads rank
+0's own shard while they start and load theirs, joins the process group with them, and
+waits until every rank reports ready (a rank that fails raises here with its traceback;
+the others are stopped). It returns a `DriverModel`: the model interface the runner, its
+backends and the speculative worker call (`forward`, `compute_logits`, `embed_tokens`,
+`copy_kv_slots`), each call sent to every worker first and then run on rank 0's shard, so
+all ranks reach the same collectives in the same order. Outputs are rank 0's.
 
 The calls travel over one pipe per worker, serialized once (a broadcast without a
 collective: a worker waiting for the next step has no timeout to run out while the engine
@@ -204,14 +204,17 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
                          dtype: torch.dtype, make_linear: LinearFactory) -> DriverModel:
     """Start the workers and load every rank's shard (module docstring); whole or raises,
     with the workers stopped."""
+    par = ParallelContext(0, config.tensor_parallel_size, config.expert_parallel)
+    local_config = shard_model_config(model_config, par)  # a size that does not divide raises
     workers = WorkerGroup(config)
     try:
+        # Rank 0 loads while the workers start (loading needs no process group), so the
+        # waits below, in which rank 0 shows no progress to the hang watchdog, are short.
+        local = load_model_shard(model_config, device, dtype, make_linear, par)
         # A worker that fails to start (an import) is seen here, not as a group that
         # never completes.
         workers.wait_for("joining", COLLECTIVE_TIMEOUT.total_seconds())
         init_group(workers.store, 0, config.tensor_parallel_size, device)
-        par = ParallelContext(0, config.tensor_parallel_size, config.expert_parallel)
-        local = load_model_shard(model_config, device, dtype, make_linear, par)
         workers.wait_for("ready", COLLECTIVE_TIMEOUT.total_seconds())
     except BaseException:
         workers.close()
@@ -220,4 +223,4 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
         "event": "tensor_parallel_ready", "world_size": config.tensor_parallel_size,
         "expert_parallel": config.expert_parallel,
         "worker_pids": [p.pid for p in workers.processes]})
-    return DriverModel(local, workers, shard_model_config(model_config, par))
+    return DriverModel(local, workers, local_config)
