@@ -14,7 +14,8 @@ Weights are quantized round-to-nearest, symmetric, per group of `group_size` inp
   INT4 releases do; the `ignore` list is theirs: `lm_head`, `re:.*self_attn.*`,
   `re:.*shared_experts.*` and `re:.*mlp\.(gate|up|gate_up|down)_proj.*` (the dense layers'
   MLPs), so attention, shared experts, dense MLPs and lm_head stay bf16 (the router and the
-  embeddings are no Linear to compressed-tensors).
+  embeddings are no Linear to compressed-tensors), followed by any other 2-D weight outside
+  the blocks that it does not cover (e.g. a prefixed `language_model.lm_head`).
 
 `--ignore` patterns are added to either list, which is how compressed-tensors, vLLM, SGLang
 and specd's loader know what stays dense; the tool checks that every block linear it leaves
@@ -110,8 +111,12 @@ def quantize_checkpoint(src: Path, dst: Path, group_size: int, extra_ignore: lis
         raise ValueError(f"{dst} already holds a checkpoint (config.json exists)")
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    ignore = (plan_ignore(src, extra_ignore) if recipe == "dense"
-              else [*MOE_IGNORE, *(p for p in extra_ignore if p not in MOE_IGNORE)])
+    ignore = plan_ignore(src, extra_ignore)
+    if recipe == "moe":
+        # Kimi's list, then what it does not already cover (a prefixed lm_head, the user's).
+        kimi = QuantConfig(group_size=group_size, ignore=MOE_IGNORE)
+        ignore = [*MOE_IGNORE, *(p for p in ignore
+                                 if p not in MOE_IGNORE and is_quantized(p, kimi))]
     qcfg = QuantConfig(group_size=group_size, ignore=tuple(ignore))
     chosen = is_block_linear if recipe == "dense" else (
         lambda name, ndim: ndim == 2 and is_routed_expert(name))

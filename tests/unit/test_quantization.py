@@ -487,16 +487,19 @@ def test_moe_recipe_refuses_a_checkpoint_without_routed_experts(tmp_path: Path) 
     assert not (tmp_path / "int4").exists()
 
 
-def test_moe_recipe_quantizes_the_routed_experts_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", ["", "language_model."])
+def test_moe_recipe_quantizes_the_routed_experts_only(tmp_path: Path, prefix: str) -> None:
     """A tiny DeepSeek-shaped checkpoint (a dense layer, a MoE layer with two experts, a
-    shared expert and the router): only the experts are packed, the rest is byte-identical,
-    and compressed-tensors reads Kimi's ignore list back."""
+    shared expert, the router, lm_head): only the experts are packed, the rest is
+    byte-identical, and compressed-tensors reads Kimi's ignore list back, with a prefixed
+    lm_head (Kimi-K2.5's layout) named after it."""
     gen = torch.Generator().manual_seed(4)
     shapes = {"model.layers.0.mlp.gate_proj": (96, 64), "model.layers.0.self_attn.o_proj": (64, 64),
-              "model.layers.1.mlp.gate": (2, 64),
+              "model.layers.1.mlp.gate": (2, 64), "lm_head": (50, 64),
               "model.layers.1.mlp.shared_experts.up_proj": (32, 64),
               **{f"model.layers.1.mlp.experts.{e}.{p}_proj": (32, 64) if p != "down" else (64, 32)
                  for e in range(2) for p in ("gate", "up", "down")}}
+    shapes = {prefix + module: shape for module, shape in shapes.items()}
     tensors = {f"{m}.weight": torch.randn(*s, generator=gen).bfloat16() for m, s in shapes.items()}
     (tmp_path / "bf16").mkdir()
     save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
@@ -509,7 +512,8 @@ def test_moe_recipe_quantizes_the_routed_experts_only(tmp_path: Path) -> None:
     for module in set(shapes) - packed:
         assert torch.equal(written[f"{module}.weight"], tensors[f"{module}.weight"]), module
     raw = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
-    assert QuantizationConfig.model_validate(raw).ignore == list(quantize_tool.MOE_IGNORE)
+    extra = [f"{prefix}lm_head"] if prefix else []
+    assert QuantizationConfig.model_validate(raw).ignore == [*quantize_tool.MOE_IGNORE, *extra]
 
 
 def test_quantize_tool_refuses_bad_input(tmp_path: Path) -> None:
