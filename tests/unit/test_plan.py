@@ -241,6 +241,31 @@ def test_unquantized_kimi_k2_plan_equals_the_model_built_on_the_meta_device(
     assert 1.026e12 < sum(p.numel() for p in model.parameters()) < 1.027e12  # "1.03T"
 
 
+def test_kimi_k25_wrapper_plans_its_language_model_with_the_prefixed_names(
+        kimi_dir: Path, tmp_path: Path) -> None:
+    """Kimi-K2.5: the language model's config is text_config and its tensors (and the names
+    the quantization config matches) sit under `language_model.`; the rest is not served."""
+    text = {k: v for k, v in KIMI_K2.items() if k != "quantization_config"}
+    quantization = {**KIMI_QUANTIZATION, "ignore": [
+        "language_model.lm_head", *KIMI_QUANTIZATION["ignore"][1:], "re:vision_tower.*"]}
+    wrapper = _write_config(tmp_path / "kimi-k25", {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "quantization_config": quantization})
+    options = PlanOptions(gpu_memory_bytes=141 * GIB, tensor_parallel_size=8)
+    cfg = ModelConfig.from_dir(wrapper)
+    par = ParallelContext(0, 8)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](shard_model_config(cfg, par),
+                                                linear_factory(cfg), torch.device("cpu"), par)
+    model.to(torch.bfloat16)
+
+    plan = make_plan(wrapper, None, options)
+
+    assert plan.weight_bytes == sum(t.numel() * t.element_size()
+                                    for t in [*model.parameters(), *model.buffers()])
+    assert plan.weight_bytes == make_plan(kimi_dir, None, options).weight_bytes
+
+
 def test_kimi_k2_int4_on_8_h200_fits_with_the_note_per_gpu_figures(kimi_dir: Path) -> None:
     result = _run(str(kimi_dir), "--tensor-parallel-size", "8", "--gpu-memory-gib", "141",
                   "--json")
