@@ -41,15 +41,16 @@ from specd.workers.spec.draft_model import load_draft_head
 GIB = 2**30
 TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
 INTEGRATION_DIR = Path(__file__).resolve().parents[1] / "integration"
-KIMI_QUANTIZATION = {
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+KIMI_QUANTIZATION: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "quantization_status": "compressed",
     "config_groups": {"group_0": {
         "targets": ["Linear"], "input_activations": None, "output_activations": None,
         "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                     "group_size": 32, "dynamic": False, "actorder": None}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "ignore": KIMI_IGNORE,
 }
 # Kimi-K2's published values (../shared/notes/mla_moe_tp.md §1.1, K2-Instruct's rope).
 KIMI_K2: dict[str, Any] = {
@@ -220,7 +221,7 @@ def test_asymmetric_int4_experts_count_their_zero_points(group_size: int | None,
 
     expert = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj$")
     write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(group_size, False),
-                     list(KIMI_QUANTIZATION["ignore"]), lambda m: expert.match(m) is not None)
+                     KIMI_IGNORE, lambda m: expert.match(m) is not None)
     _assert_plan_equals_loaded(tmp_path / "int4", 3)
 
 
@@ -247,7 +248,7 @@ def test_kimi_k25_wrapper_plans_its_language_model_with_the_prefixed_names(
     the quantization config matches) sit under `language_model.`; the rest is not served."""
     text = {k: v for k, v in KIMI_K2.items() if k != "quantization_config"}
     quantization = {**KIMI_QUANTIZATION, "ignore": [
-        "language_model.lm_head", *KIMI_QUANTIZATION["ignore"][1:], "re:vision_tower.*"]}
+        "language_model.lm_head", *KIMI_IGNORE[1:], "re:vision_tower.*"]}
     wrapper = _write_config(tmp_path / "kimi-k25", {
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": text, "quantization_config": quantization})
