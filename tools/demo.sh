@@ -3,6 +3,9 @@
 # wait until it reports ready, stream one completion through the Unix socket, print the
 # daemon's status, then stop it with SIGTERM (a clean drain, exit 0).
 #   tools/demo.sh ["prompt"] [extra specd options...]
+# The completion is greedy with a repetition penalty of 1.2 (DEMO_REPETITION_PENALTY=1 turns
+# it off): without one the small fixture's greedy output falls into a loop (from this prompt
+# it repeats `self.tk.call(` to the end); the daemon's own default stays 1 (none).
 set -euo pipefail
 prompt=${1:-"def fibonacci(n):"}
 shift || true
@@ -17,6 +20,6 @@ for _ in $(seq 1 600); do
   kill -0 $pid 2>/dev/null || { echo "specd exited during start-up" >&2; exit 1; }
   sleep 0.5
 done
-specctl generate "$prompt" --max-tokens 96
+specctl generate "$prompt" --max-tokens 96 --repetition-penalty "${DEMO_REPETITION_PENALTY:-1.2}"
 echo
 specctl status

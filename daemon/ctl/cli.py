@@ -78,6 +78,12 @@ def _settings(ctx: click.Context, as_json: bool) -> Settings:
 @click.option("--top-k", type=int, default=-1, show_default=True)
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="> 0; seen tokens' logits divided by it (negative ones multiplied)")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]; subtracted per occurrence in the output")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]; subtracted once for tokens in the output")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--deadline", type=float, default=None, help="seconds the request may take")
@@ -88,6 +94,7 @@ def _settings(ctx: click.Context, as_json: bool) -> Settings:
 @click.pass_context
 def generate(ctx: click.Context, prompt: str, chat: bool, system: str | None, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+             repetition_penalty: float, frequency_penalty: float, presence_penalty: float,
              stop: tuple[str, ...], ignore_eos: bool, deadline: float | None, local: bool,
              model: str | None, as_json: bool) -> None:
     """Generate from PROMPT ('-' reads stdin), streaming text to the terminal.
@@ -98,7 +105,9 @@ def generate(ctx: click.Context, prompt: str, chat: bool, system: str | None, ma
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                   min_p=min_p, seed=seed, max_tokens=max_tokens, stop=stop,
-                                  ignore_eos=ignore_eos)
+                                  ignore_eos=ignore_eos, repetition_penalty=repetition_penalty,
+                                  frequency_penalty=frequency_penalty,
+                                  presence_penalty=presence_penalty)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     messages = None
