@@ -4,15 +4,17 @@ Size 2 (rank 0 in this process, rank 1 a spawned worker) generates, greedy in fl
 same tokens as size 1 on held-out prompts: for the dense fixture and the MoE fixture (MLA
 query heads split, the latent cache whole on each rank, each expert's width split), with
 speculation off and on (the EAGLE-3 head runs on rank 0 only), and with whole experts per
-rank (`expert_parallel`). Speculation on must also have accepted drafts, so the verify path
-really ran sharded.
+rank (`expert_parallel`; INT4 experts too). Speculation on must also have accepted drafts,
+so the verify path really ran sharded. A rank that dies fails the engine, not a request.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.config import EngineConfig
+from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine import EngineCore
 from specd.workers.parallel.driver import RankFailed
 
@@ -107,3 +109,30 @@ def test_a_worker_rank_killed_mid_stream_fails_the_engine_not_a_request() -> Non
         assert time.monotonic() - started < 2.0
     finally:
         core.close()
+
+
+@pytest.fixture(scope="module")
+def int4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MoE fixture with INT4 routed experts (tools/quantize.py's moe recipe, group 32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import quantize  # tools/ is not a package
+
+    out = tmp_path_factory.mktemp("moe-int4") / "int4"
+    assert quantize.main([str(FIXTURE_MOE_DIR), str(out), "--recipe", "moe"]) == 0
+    return out
+
+
+def test_expert_parallel_places_int4_experts_and_keeps_the_tokens(int4_moe_dir: Path) -> None:
+    head = {"draft_model": str(FIXTURE_MOE_DIR / "eagle3")}
+    single, _ = generate(str(int4_moe_dir), speculative_algorithm=None, **head)
+    tokens, accepted = generate(str(int4_moe_dir), spec_mode="on", tensor_parallel_size=2,
+                                expert_parallel=True, **head)
+    assert tokens == single and accepted > 0
+
+
+def test_int4_experts_that_would_split_a_quantization_group_are_refused(
+        int4_moe_dir: Path) -> None:
+    """Each expert's width 96 split in 2 is 48 columns of down_proj: not whole groups of 32."""
+    with pytest.raises(ValueError, match="group_size 32 does not divide"):
+        EngineCore(EngineConfig(model=str(int4_moe_dir), speculative_algorithm=None,
+                                dtype="float32", tensor_parallel_size=2))

@@ -127,6 +127,18 @@ class WorkerGroup:
         if isinstance(error, dist.DistError):
             raise RankFailed(f"the process group failed: {error}") from error
 
+    def abort(self) -> None:
+        """After a failed start: SIGTERM the workers at once (one may be waiting to join the
+        group, where it reads no `stop`) and leave the group if it was joined."""
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+        for pipe in self.pipes:
+            pipe.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def close(self) -> None:
         """Stop the workers (`stop`, then SIGTERM after STOP_TIMEOUT_S) and leave the group."""
         for pipe in self.pipes:
@@ -217,7 +229,7 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
         init_group(workers.store, 0, config.tensor_parallel_size, device)
         workers.wait_for("ready", COLLECTIVE_TIMEOUT.total_seconds())
     except BaseException:
-        workers.close()
+        workers.abort()
         raise
     log.info("tensor parallel group ready", extra={
         "event": "tensor_parallel_ready", "world_size": config.tensor_parallel_size,
