@@ -16,6 +16,11 @@ not grow with the output. Two holds keep streamed text exact:
 * the last `max(len(stop)) - 1` characters are held back while a stop string could still
   complete across them; when one matches, the text is cut exactly before it and
   `stop_string` names it. Text sent earlier never includes any part of a stop string.
+
+With stop strings, tokens are decoded one at a time, so the token whose text completes
+the first match is known: `token_ids` end with it, and tokens after it (a speculative step
+gives several at once) are dropped. The output's text, token ids and their count then
+agree: the text is `decode(token_ids)` cut before the stop string.
 """
 
 from __future__ import annotations
@@ -55,11 +60,20 @@ class IncrementalDetokenizer:
         return self.stop_string is not None
 
     def add(self, new_token_ids: Sequence[int]) -> str:
-        """Append tokens; return the text that is now safe to emit (may be empty)."""
+        """Append tokens; return the text that is now safe to emit (may be empty). After a
+        stop string matched, the tokens past the one that completed it are not kept:
+        `len(token_ids)` tells how many of `new_token_ids` were."""
         if self.is_stopped:
             return ""
-        self.token_ids.extend(new_token_ids)
-        self._decode_window(force=False)
+        if not self.stop:
+            self.token_ids.extend(new_token_ids)
+            self._decode_window(force=False)
+            return self._take(final=False)
+        for token_id in new_token_ids:  # one at a time: the token that completes a match
+            self.token_ids.append(token_id)
+            self._decode_window(force=False)
+            if self.is_stopped:
+                break
         return self._take(final=self.is_stopped)
 
     def finish(self) -> str:

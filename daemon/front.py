@@ -67,7 +67,7 @@ class Front:
         self.listener = listener
         self.http_listener = http_listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
-            m.ClientMessage, config.max_frame_bytes)
+            m.ClientMessage, config.max_frame_bytes, nil_is_default=True)
         self.table = RequestTable()
         self.connections: dict[int, Connection] = {}
         self.state = State.STARTING
@@ -222,8 +222,12 @@ class Front:
         return f"{len(self.table)} open requests, {len(self.connections)} connections"
 
     def begin_drain(self, timeout_s: float, reason: str) -> None:
-        """Stop accepting; end when the open requests are done or `timeout_s` passed."""
-        if self.state in (State.DRAINING, State.FAILED):
+        """Stop accepting; end when the open requests are done or `timeout_s` passed. During
+        a drain, a shorter timeout (a `stop`: 0) brings its end forward."""
+        if self.state is State.DRAINING:
+            self._shorten_drain(timeout_s)
+            return
+        if self.state is State.FAILED:
             return
         was_ready = self.state is State.READY
         self.state = State.DRAINING
@@ -237,6 +241,14 @@ class Front:
         else:
             self._drain_timer = asyncio.get_running_loop().call_later(
                 timeout_s, self._drain_expired)
+
+    def _shorten_drain(self, timeout_s: float) -> None:
+        if self._drain_timer is None:  # no request was open: the scheduler is stopping
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() + timeout_s < self._drain_timer.when():
+            self._drain_timer.cancel()
+            self._drain_timer = loop.call_later(timeout_s, self._drain_expired)
 
     def _drain_expired(self) -> None:
         open_requests = list(self.table)
@@ -381,9 +393,13 @@ class Front:
                              writer: asyncio.StreamWriter) -> None:
         connection = Connection(self.new_connection_id(), reader, writer, self.codec,
                                 self.config, self.counters)
+        # Never admitted: told why, then closed.
         if len(self.connections) >= self.config.max_connections:
-            connection.reject(None, "overloaded", "too many connections")
-            connection.close("too many connections")
+            await connection.refuse("overloaded", "too many connections")
+            return
+        if self.state is State.DRAINING:
+            await connection.refuse("shutting_down", "the daemon is draining; no new "
+                                    "connections")
             return
         self.connections[connection.connection_id] = connection
         await connection.serve(self)
@@ -406,12 +422,20 @@ class Front:
                           extra={"event": "internal_error",
                                  "connection": connection.connection_id})
             connection.reject(message.id, "internal_error", "internal error; see the log")
-            connection.close("internal error")
+            connection.close("internal error", error_code="internal_error")
+
+    def end_requests(self, connection: Connection, code: str, reason: str) -> None:
+        self.requests.end_connection_requests(connection, code, reason)
 
     def _dispatch(self, connection: Connection, message: m.ClientMessage) -> None:
         if isinstance(message, m.Generate):
             self.requests.admit(connection, message)
+        elif self.requests.is_in_flight(connection, message.id):
+            connection.reject(message.id, "duplicate_id", f"request id {message.id} is that "
+                              f"of a generate in flight (which goes on)")
         elif isinstance(message, m.Abort):
             self.requests.on_abort(connection, message)
+        elif isinstance(message, m.Tokenize):
+            self.requests.tokenize(connection, message)
         else:
             self.control.handle(connection, message)

@@ -91,6 +91,11 @@ class PromptEncoder:
             return self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
         return prompt
 
+    def render(self, message: m.Generate | m.Tokenize) -> PromptText:
+        """The text of a request's `prompt` or rendered `messages`, and how to encode it
+        (RequestError `bad_request` for a chat template that fails)."""
+        return self._render(message)
+
     async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize `text` on the worker thread, then give the freed memory back."""
         loop = asyncio.get_running_loop()
@@ -117,7 +122,7 @@ class PromptEncoder:
             raise RequestError("bad_request", f"a stop string is longer than "
                                f"{self._config.max_stop_chars} characters")
 
-    def _render(self, message: m.Generate) -> PromptText:
+    def _render(self, message: m.Generate | m.Tokenize) -> PromptText:
         if message.messages is None:
             return PromptText(message.prompt or "", add_special_tokens=True)
         try:

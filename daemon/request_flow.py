@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from specd.daemon.detokenizer import IncrementalDetokenizer
 from specd.daemon.lifecycle import State
-from specd.daemon.prompts import PromptEncoder, PromptText, RequestError
+from specd.daemon.prompts import INLINE_TOKENIZE_CHARS, PromptEncoder, PromptText, RequestError
 from specd.daemon.request_table import OpenRequest, Peer
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
@@ -98,6 +98,32 @@ class RequestFlow:
         else:
             self.front.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
 
+    def tokenize(self, connection: Client, message: m.Tokenize) -> None:
+        """Answer `tokens`: the prompt ids a generate with the same prompt or messages would
+        have (the same rendering and special-token rule), in any daemon state: the tokenizer
+        is the front's. Long text is tokenized on the worker thread, like a prompt."""
+        try:
+            prompt = self.prompts.render(message)
+        except RequestError as exc:
+            connection.reject(message.id, exc.code, str(exc))
+            return
+        if len(prompt.text) < INLINE_TOKENIZE_CHARS:
+            ids = self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
+            connection.send(m.Tokens(message.id, ids))
+        else:
+            self.front.spawn(self._tokenize_off_loop(connection, message.id, prompt))
+
+    async def _tokenize_off_loop(self, connection: Client, client_id: int,
+                                 prompt: PromptText) -> None:
+        try:
+            ids = await self.prompts.encode_off_loop(prompt.text, prompt.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - answers this request; the log has the rest
+            log.exception("tokenize request %d failed", client_id,
+                          extra={"event": "internal_error"})
+            connection.reject(client_id, "internal_error", f"tokenizing failed: {exc!r}")
+            return
+        connection.send(m.Tokens(client_id, ids))
+
     def _max_model_len(self) -> int:
         assert self.front.ready is not None  # admission checked it
         return int(self.front.ready.resolved["max_model_len"])
@@ -146,6 +172,12 @@ class RequestFlow:
             self.end_with_error(request, "deadline_exceeded",
                                 f"not finished within {deadline_s:g} s", abort=True)
 
+    def is_in_flight(self, connection: Peer, client_id: int) -> bool:
+        """Whether `client_id` is the id of a generate open on `connection`: any other
+        request with that id is refused `duplicate_id` (its replies would be mistaken for
+        the generate's), the generate going on."""
+        return self.table.find(connection.connection_id, client_id) is not None
+
     def on_abort(self, connection: Client, message: m.Abort) -> None:
         """A client's abort of its own request: a final frame with `abort`, then an ack."""
         request = self.table.find(connection.connection_id, message.target)
@@ -178,30 +210,43 @@ class RequestFlow:
                       request_ids=ids)
             self.front.check_drained()
 
+    def end_connection_requests(self, connection: Peer, code: str, reason: str) -> None:
+        """The daemon closes `connection` while the client may still read it (a bad frame,
+        a bug): each open generate ends with its own error frame of `code` first."""
+        for request in self.table.of_connection(connection.connection_id):
+            self.end_with_error(request, code, f"the daemon closes the connection: {reason}",
+                                abort=True)
+
     # ---- scheduler -> client -------------------------------------------------------------
 
     def on_delta(self, delta: m.TokenDelta) -> None:
         """One request's output of a step: streamed or kept, then the request ends if the
-        engine finished or failed it, or a stop string appeared in its text."""
+        engine finished or failed it, or a stop string appeared in its text (the tokens
+        after the one that completed it are dropped: ids, logprobs and counts agree with
+        the text)."""
         request = self.table.get(delta.request_id)
         if request is None:
             return  # aborted while the step ran
-        text = request.detokenizer.add(delta.new_token_ids)
-        request.num_output_tokens = delta.num_output_tokens
-        if delta.new_token_ids:
+        detokenizer = request.detokenizer
+        num_before = len(detokenizer.token_ids)
+        text = detokenizer.add(delta.new_token_ids)
+        token_ids = detokenizer.token_ids[num_before:]
+        request.num_output_tokens = (delta.num_output_tokens
+                                     - (len(delta.new_token_ids) - len(token_ids)))
+        if token_ids:
             request.num_sampling_steps += 1
-            self.latency.on_output(request, len(delta.new_token_ids))
-        logprobs = delta.logprobs if request.want_logprobs else []
+            self.latency.on_output(request, len(token_ids))
+        logprobs = delta.logprobs[:len(token_ids)] if request.want_logprobs else []
         if request.stream:
-            if text or delta.new_token_ids:
-                request.peer.send(m.Delta(request.client_id, text, delta.new_token_ids, logprobs))
+            if text or token_ids:
+                request.peer.send(m.Delta(request.client_id, text, token_ids, logprobs))
         else:
-            request.unsent_token_ids.extend(delta.new_token_ids)
+            request.unsent_token_ids.extend(token_ids)
             request.unsent_logprobs.extend(logprobs)
         if delta.error is not None:
             # A failed step was blamed on this request: the engine ended it, others go on.
             self.end_with_error(request, "internal_error", delta.error, abort=False)
-        elif request.detokenizer.is_stopped:
+        elif detokenizer.is_stopped:
             # A stop string ends the request as "stop" even when the engine finished it in
             # the same step (for its length): the text was cut at the string.
             if delta.finish_reason is None:
@@ -211,37 +256,51 @@ class RequestFlow:
             self.finish(request, delta.finish_reason, delta)
 
     def finish(self, request: OpenRequest, reason: str, delta: m.TokenDelta) -> None:
-        """End the request with its final frame, `delta` holding its last counts."""
+        """End the request with its final frame; `delta` holds the engine's last figures
+        (the output's count is the request's own: a stop string may have cut it)."""
         rest = request.detokenizer.finish()
         steps = request.num_sampling_steps
         request.peer.send(m.Final(
             id=request.client_id,
             finish_reason=reason,
             num_prompt_tokens=delta.num_prompt_tokens,
-            num_output_tokens=delta.num_output_tokens,
+            num_output_tokens=request.num_output_tokens,
             text=rest if request.stream else request.detokenizer.text,
             token_ids=request.unsent_token_ids,
             num_cached_tokens=delta.num_cached_tokens,
             num_drafted=delta.num_drafted,
             num_accepted=delta.num_accepted,
-            acceptance_length=delta.num_output_tokens / steps if steps else 0.0,
+            # No step gave the request a token: no figure (0.0), not a claimed 1.0.
+            acceptance_length=request.num_output_tokens / steps if steps else 0.0,
             stop_string=request.detokenizer.stop_string,
             logprobs=request.unsent_logprobs,
         ))
         self.counters[f"finished_{reason}"] += 1
-        self.counters["output_tokens"] += delta.num_output_tokens
+        self.counters["output_tokens"] += request.num_output_tokens
         self.counters["prompt_tokens"] += delta.num_prompt_tokens
-        self.table.remove(request)
-        self.latency.on_end(request)
-        self.front.check_drained()
+        self._forget(request)
 
     def end_with_error(self, request: OpenRequest, code: str, message: str,
                        abort: bool) -> None:
-        """End the request with an error frame (`abort`: and abort it in the scheduler)."""
+        """End the request with an error frame (`abort`: and abort it in the scheduler).
+        The output it produced and the client has not yet seen comes first, in one delta
+        (streamed or not): a deadline or a drain keeps what was generated, as an abort
+        does."""
         if abort:
             self.abort_in_scheduler([request.request_id])
+        self._send_unsent(request)
         request.peer.send(m.Error(request.client_id, code, message))
         self.counters[f"error_{code}"] += 1
+        self._forget(request)
+
+    def _send_unsent(self, request: OpenRequest) -> None:
+        rest = request.detokenizer.finish()
+        text = rest if request.stream else request.detokenizer.text
+        if text or request.unsent_token_ids:
+            request.peer.send(m.Delta(request.client_id, text, request.unsent_token_ids,
+                                      request.unsent_logprobs))
+
+    def _forget(self, request: OpenRequest) -> None:
         self.table.remove(request)
         self.latency.on_end(request)
         self.front.check_drained()

@@ -2,7 +2,8 @@
 
 One `Connection` per client. Its read loop hands each decoded request to a `Handler`
 (the front) and never raises: a framing error is answered `bad_frame` and closes the
-connection (the stream is out of sync), a body that does not decode (nested too deeply
+connection (the stream is out of sync; each generate still open on it ends with its own
+`bad_frame` error frame first), a body that does not decode (nested too deeply
 included) is answered `bad_request` and the connection stays open. Every error frame goes
 out through `reject`, which counts it (`error_<code>` in `specctl stats`).
 
@@ -34,6 +35,10 @@ log = logging.getLogger("specd.server")
 
 # After a frame this large the front gives freed memory back to the OS (daemon/memory.py).
 LARGE_FRAME_BYTES = 2**20
+# A refused connection is read (and its bytes dropped) this long at most after its error
+# frame, so that a request the client already sent cannot reset it before the client
+# reads why (closing a socket with unread input resets it).
+REFUSE_LINGER_S = 1.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -45,6 +50,8 @@ class Handler(Protocol):
     def has_open_requests(self, connection: Connection) -> bool: ...
 
     def on_large_frame(self) -> None: ...
+
+    def end_requests(self, connection: Connection, code: str, reason: str) -> None: ...
 
 
 async def start_server(on_connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
@@ -69,9 +76,10 @@ def peer_uid(writer: asyncio.StreamWriter) -> int:
 
 
 class _IdOnly(msgspec.Struct):
-    """Salvages the request id of a frame that failed typed decoding, for the error reply."""
+    """Salvages the request id of a frame that failed typed decoding, for the error reply;
+    only an id a request may carry (an out-of-range one is not echoed: the reply has nil)."""
 
-    id: int | None = None
+    id: m.ClientId | None = None
 
 
 class Connection:
@@ -97,6 +105,7 @@ class Connection:
         self._is_flush_scheduled = False
         self.is_closed = False
         self.close_reason = ""
+        self._handler: Handler | None = None  # set by serve
 
     def send(self, message: m.ServerMessage) -> None:
         """Queue one frame; never blocks. Cuts off a client that does not read."""
@@ -112,6 +121,22 @@ class Connection:
         """Send an error frame (`client_id` None: the connection's) and count it."""
         self._counters[f"error_{code}"] += 1
         self.send(m.Error(client_id, code, message))
+
+    async def refuse(self, code: str, message: str) -> None:
+        """Turn away a connection that is not admitted: its error frame (id nil), then our
+        side shut; what the client sends meanwhile is read and dropped until it closes (at
+        most REFUSE_LINGER_S), so the frame reaches it, then the connection is closed."""
+        self.reject(None, code, message)
+        self._flush()
+        if self._writer.can_write_eof():
+            self._writer.write_eof()
+        try:
+            async with asyncio.timeout(REFUSE_LINGER_S):
+                while await self._reader.read(2**16):
+                    pass
+        except (TimeoutError, ConnectionError):
+            pass  # the client lingers or left: either way the frame had its chance
+        self.close(f"refused: {code}")
 
     def _flush(self) -> None:
         self._is_flush_scheduled = False
@@ -131,10 +156,14 @@ class Connection:
         self._pending.clear()
         self._writer.write(data)
 
-    def close(self, reason: str, abort: bool = False) -> None:
-        """Close once; `abort` drops unsent output (a slow reader's)."""
+    def close(self, reason: str, abort: bool = False, error_code: str | None = None) -> None:
+        """Close once; `abort` drops unsent output (a slow reader's). `error_code`: the
+        daemon closes a connection the client still reads, so each of its open generates
+        first ends with an error frame of this code (None: nothing more to tell)."""
         if self.is_closed:
             return
+        if error_code is not None and not abort and self._handler is not None:
+            self._handler.end_requests(self, error_code, reason)
         if abort:
             self._pending.clear()
         else:
@@ -150,7 +179,9 @@ class Connection:
 
     async def serve(self, handler: Handler) -> None:
         """Read and dispatch frames until the client leaves or breaks the protocol."""
+        self._handler = handler
         reason = "closed by client"
+        error_code: str | None = None  # the code open generates end with (None: none left)
         try:
             await self._read_loop(handler)
         except ConnectionClosed:
@@ -161,6 +192,7 @@ class Connection:
                         f"received for {self._config.idle_timeout_s:g} s")
         except FrameError as exc:
             reason = f"bad frame: {exc}"
+            error_code = "bad_frame"
             self.reject(None, "bad_frame", str(exc))
         except (ConnectionResetError, BrokenPipeError) as exc:
             reason = f"connection lost: {exc!r}"
@@ -168,10 +200,11 @@ class Connection:
             log.exception("internal error reading from a client",
                           extra={"event": "internal_error", "connection": self.connection_id})
             reason = "internal error"
+            error_code = "internal_error"
             self.reject(None, "internal_error", "internal error; see the log")
         finally:
             reason = self.close_reason or reason
-            self.close(reason)
+            self.close(reason, error_code=error_code)
             handler.on_close(self, reason)
 
     async def _read_loop(self, handler: Handler) -> None:

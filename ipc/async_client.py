@@ -22,7 +22,13 @@ from specd.ipc.errors import (
     error_from_frame,
 )
 from specd.ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameCodec, FrameError
-from specd.ipc.generation import Collector, GenerateResult, StreamDelta, make_generate
+from specd.ipc.generation import (
+    Collector,
+    GenerateResult,
+    StreamDelta,
+    make_generate,
+    make_tokenize,
+)
 from specd.ipc.paths import client_socket_path
 from specd.ipc.sampling import SamplingParams
 
@@ -42,6 +48,7 @@ class AsyncClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._read_task: asyncio.Task[None] | None = None
+        self._failure: SpecdError | None = None  # why the last connection ended
 
     async def __aenter__(self) -> AsyncClient:
         await self.open()
@@ -69,6 +76,7 @@ class AsyncClient:
     async def _read_loop(self) -> None:
         assert self._reader is not None  # set by open(), which starts this task
         failure: SpecdError = DaemonUnavailable("the daemon closed the connection")
+        farewell: SpecdError | None = None  # the daemon's reason, when it gave one
         partial = b""
         try:
             while data := await self._reader.read(RECV_CHUNK_BYTES):
@@ -79,29 +87,45 @@ class AsyncClient:
                     if target is not None:
                         target.put_nowait(message)
                     elif isinstance(message, m.Error) and message.id is None:  # the connection's
-                        failure = error_from_frame(message)
+                        farewell = error_from_frame(message)
         except (OSError, FrameError) as exc:
+            # A daemon that refused the connection closes it with our request unread: the
+            # reset comes after its reason, which is the answer.
             failure = DaemonUnavailable(f"connection lost: {exc!r}")
         except msgspec.DecodeError as exc:
             failure = ProtocolError(f"undecodable frame: {exc}")
+        failure = farewell or failure
+        self._failure = failure
         for inbox in self._inboxes.values():
             inbox.put_nowait(failure)
 
     async def _send(self, message: Any) -> asyncio.Queue[m.ServerMessage | SpecdError]:
         if self._writer is None:
             raise DaemonUnavailable("not connected; use `async with` or await open()")
-        if self._read_task is not None and self._read_task.done() and not self._inboxes:
+        if self._read_task is not None and self._read_task.done():
+            if self._inboxes:  # lost with requests in flight: they have its error already
+                raise self._failure or DaemonUnavailable("the daemon closed the connection")
             # The daemon closed the connection with nothing in flight (its idle timeout).
             await self.close()
             await self.open()
         inbox: asyncio.Queue[m.ServerMessage | SpecdError] = asyncio.Queue()
         self._inboxes[message.id] = inbox
-        self._writer.write(self._codec.encode(message))
-        await self._writer.drain()
+        try:
+            self._writer.write(self._codec.encode(message))
+            await self._writer.drain()
+        except OSError as exc:
+            # A daemon that refused the connection (draining, too many connections) said
+            # why before closing; the read loop delivers that error to the inbox.
+            self._inboxes.pop(message.id, None)
+            if self._read_task is not None:
+                await asyncio.wait({self._read_task}, timeout=1.0)
+            raise self._failure or DaemonUnavailable(f"send failed: {exc}") from exc
         return inbox
 
-    async def _next(self, inbox: asyncio.Queue[m.ServerMessage | SpecdError]
-                    ) -> m.ServerMessage:
+    async def _next(self, inbox: asyncio.Queue[m.ServerMessage | SpecdError],
+                    collector: Collector | None = None) -> m.ServerMessage:
+        """The request's next frame; an error frame raises (with what `collector` holds as
+        the request's partial output)."""
         if not inbox.empty():  # the common case while streaming: no timer needed
             item = inbox.get_nowait()
         else:
@@ -116,7 +140,7 @@ class AsyncClient:
         if isinstance(item, SpecdError):
             raise item
         if isinstance(item, m.Error):
-            raise error_from_frame(item)
+            raise error_from_frame(item, collector.partial() if collector else None)
         return item
 
     async def generate(self, prompt: str | None = None, *,
@@ -130,7 +154,7 @@ class AsyncClient:
         collector = Collector()
         try:
             while True:
-                reply = await self._next(inbox)
+                reply = await self._next(inbox, collector)
                 if isinstance(reply, m.Final):
                     return collector.result(reply)
                 if isinstance(reply, m.Delta):
@@ -179,6 +203,14 @@ class AsyncClient:
         if not isinstance(reply, m.StatusReply):
             raise ProtocolError(f"expected a status reply, got {type(reply).__name__}")
         return reply
+
+    async def tokenize(self, prompt: str | None = None, *,
+                       messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt token ids a generate with this `prompt` or `messages` would have."""
+        reply = await self._query(make_tokenize(next(self._ids), prompt, messages))
+        if not isinstance(reply, m.Tokens):
+            raise ProtocolError(f"expected a tokens reply, got {type(reply).__name__}")
+        return reply.token_ids
 
     async def stats(self) -> dict[str, Any]:
         reply = await self._query(m.StatsQuery(next(self._ids)))

@@ -8,10 +8,12 @@ async_client.py, the errors in errors.py; `specd.client` exports them all).
             print(delta.text, end="", flush=True)
 
 Every error frame raises the `SpecdError` subclass for its code (`Overloaded`,
-`PromptTooLong`, ...); a daemon that cannot be reached raises `DaemonUnavailable`, one
-that does not answer within `timeout` seconds raises `ClientTimeout`. `Client` runs one
-request at a time; `AsyncClient` multiplexes any number over one connection. Leaving a
-`stream()` early aborts the request in the daemon. A connection the daemon closed while
+`PromptTooLong`, ...), with the output the request produced before it (`partial`: a
+`deadline_exceeded` or `drained` request keeps what it generated); a daemon that cannot
+be reached raises `DaemonUnavailable`, one that does not answer within `timeout` seconds
+raises `ClientTimeout`. `Client` runs one request at a time; `AsyncClient` multiplexes
+any number over one connection. Leaving a `stream()` early aborts the request in the
+daemon. A connection the daemon closed while
 no request was in flight (its idle timeout) is opened again for the next request.
 """
 
@@ -37,7 +39,13 @@ from specd.ipc.errors import (
     error_from_frame,
 )
 from specd.ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameCodec, FrameError
-from specd.ipc.generation import Collector, GenerateResult, StreamDelta, make_generate
+from specd.ipc.generation import (
+    Collector,
+    GenerateResult,
+    StreamDelta,
+    make_generate,
+    make_tokenize,
+)
 from specd.ipc.paths import client_socket_path
 from specd.ipc.sampling import SamplingParams
 
@@ -112,7 +120,30 @@ class Client:
         try:
             self._sock.sendall(self._codec.encode(message))
         except OSError as exc:
+            # A daemon that refused the connection (draining, too many connections) told
+            # why before it closed: that error, not the broken pipe, is the answer.
+            farewell = self._farewell()
+            if farewell is not None:
+                raise farewell from exc
             raise DaemonUnavailable(f"send failed: {exc}") from exc
+
+    def _farewell(self) -> SpecdError | None:
+        """The connection's error frame (id nil) waiting to be read, if any."""
+        try:
+            while True:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if not readable:
+                    break
+                data = self._sock.recv(RECV_CHUNK_BYTES)
+                if not data:
+                    break
+                bodies, self._partial = self._codec.split(self._partial + data)
+                self._received.extend(bodies)
+            replies = [self._codec.decode(body) for body in self._received]
+        except (OSError, FrameError, msgspec.DecodeError):
+            return None
+        errors = [r for r in replies if isinstance(r, m.Error) and r.id is None]
+        return error_from_frame(errors[-1]) if errors else None
 
     def receive(self) -> m.ServerMessage:
         """The next frame from the daemon."""
@@ -152,7 +183,7 @@ class Client:
             if isinstance(reply, m.Final) and reply.id == request.id:
                 return collector.result(reply)
             if isinstance(reply, m.Error):
-                raise error_from_frame(reply)
+                raise error_from_frame(reply, collector.partial())
             if isinstance(reply, m.Delta):
                 collector.add(reply)
 
@@ -177,6 +208,14 @@ class Client:
         if not isinstance(reply, m.StatsReply):
             raise ProtocolError(f"expected a stats reply, got {type(reply).__name__}")
         return reply.stats
+
+    def tokenize(self, prompt: str | None = None, *,
+                 messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt token ids a generate with this `prompt` or `messages` would have."""
+        reply = self._call(make_tokenize(next(self._ids), prompt, messages))
+        if not isinstance(reply, m.Tokens):
+            raise ProtocolError(f"expected a tokens reply, got {type(reply).__name__}")
+        return reply.token_ids
 
     def set_spec(self, mode: str, threshold: int | None = None) -> str:
         return self._ack(m.SetSpec(next(self._ids), mode, threshold))
@@ -217,7 +256,7 @@ class Stream:
                     yield StreamDelta(reply.text, [], [])
             elif isinstance(reply, m.Error):
                 self._is_open = False
-                raise error_from_frame(reply)
+                raise error_from_frame(reply, self._collector.partial())
 
     def __enter__(self) -> Stream:
         return self

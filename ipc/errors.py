@@ -4,18 +4,28 @@ this client does not understand)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from specd.ipc import messages as m
+
+if TYPE_CHECKING:
+    from specd.ipc.generation import StreamDelta
 
 
 class SpecdError(Exception):
-    """An error frame from the daemon (or a client-side failure with its own code)."""
+    """An error frame from the daemon (or a client-side failure with its own code).
+
+    request_id: the request it ends (None: the connection's error). partial: the output
+    the request produced before the error (text, token ids, logprobs), None when none."""
 
     code = "error"
 
-    def __init__(self, message: str, request_id: int | None = None) -> None:
+    def __init__(self, message: str, request_id: int | None = None,
+                 partial: StreamDelta | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id
+        self.partial = partial
 
 
 class BadFrame(SpecdError):
@@ -126,9 +136,10 @@ class ProtocolError(SpecdError):
     code = "protocol_error"
 
 
-def error_from_frame(error: m.Error) -> SpecdError:
+def error_from_frame(error: m.Error, partial: StreamDelta | None = None) -> SpecdError:
+    """The exception for an error frame (`partial`: what the request produced before)."""
     cls = ERRORS.get(error.code, SpecdError)
-    exc = cls(error.message, error.id)
+    exc = cls(error.message, error.id, partial)
     if cls is SpecdError:
         exc.code = error.code
     return exc

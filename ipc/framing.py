@@ -3,7 +3,11 @@
 A frame is a 4-byte big-endian unsigned length N followed by N bytes of msgpack. The
 length is checked against a cap *before* the body is read, so a hostile length costs no
 memory; a zero length is an error too. Bodies are decoded with a typed msgspec decoder
-(strict: no coercion, unknown fields rejected where the Struct says so).
+(strict: nothing is coerced but an integer where a float is expected, which msgspec always
+accepts; unknown fields rejected where the Struct says so). A codec made with
+`nil_is_default` (the front's, for client requests) reads a nil value as "absent, use the
+default": for any key of the body's top-level map and of the maps directly inside it
+(`sampling`, `chat_template_kwargs`), whatever the key's type.
 
 Two kinds of failure, handled differently by the server:
 * `FrameError`: the byte stream is out of sync (bad length, EOF inside a frame, a body that
@@ -25,6 +29,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 HEADER = struct.Struct(">I")
+NIL = b"\xc0"  # msgpack's nil: a body without this byte holds no nil value
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 4 * 2**20
 
@@ -60,12 +65,16 @@ def check_length(length: int, max_frame_bytes: int) -> None:
 class FrameCodec(Generic[T]):
     """Encodes any message into a frame and decodes frame bodies into `T` (a tagged union)."""
 
-    def __init__(self, decode_type: Any, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, decode_type: Any, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 nil_is_default: bool = False) -> None:
         if max_frame_bytes < 1 or max_frame_bytes >= 2**32:
             raise ValueError(f"max_frame_bytes must be in [1, 2**32), got {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
+        self.nil_is_default = nil_is_default
+        self._decode_type = decode_type
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)
+        self._raw_decoder = msgspec.msgpack.Decoder()
 
     def encode(self, message: Any) -> bytes:
         """Header + body. Raises FrameError when the body exceeds the cap."""
@@ -80,6 +89,12 @@ class FrameCodec(Generic[T]):
         """Typed decode of one body. Raises msgspec.DecodeError / ValidationError
         (NestingTooDeep for a body nested past the decoder's recursion bound)."""
         try:
+            if self.nil_is_default and NIL in body:
+                # The slow path (a raw decode, then a typed conversion with the same
+                # checks) only for bodies that may hold a nil.
+                raw = drop_nil_values(self._raw_decoder.decode(body))
+                converted: T = msgspec.convert(raw, self._decode_type, strict=True)
+                return converted
             return self._decoder.decode(body)
         except RecursionError as exc:
             raise NestingTooDeep(
@@ -129,6 +144,16 @@ class FrameCodec(Generic[T]):
                 f"{exc.expected} read)") from exc
         except TimeoutError as exc:
             raise FrameError(f"frame not complete within {frame_timeout:g} s") from exc
+
+
+def drop_nil_values(body: Any) -> Any:
+    """`body` with the keys whose value is nil removed from its top-level map and from the
+    maps directly inside it (anything else is returned as it is)."""
+    if not isinstance(body, dict):
+        return body
+    return {key: {k: v for k, v in value.items() if v is not None}
+            if isinstance(value, dict) else value
+            for key, value in body.items() if value is not None}
 
 
 def recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:

@@ -49,6 +49,13 @@ class Collector:
         self.logprobs.extend(delta.logprobs)
         return StreamDelta(delta.text, delta.token_ids, delta.logprobs)
 
+    def partial(self) -> StreamDelta | None:
+        """What the deltas held so far (None: nothing): the output of a request that ended
+        with an error."""
+        if not self.token_ids and not any(self.texts):
+            return None
+        return StreamDelta("".join(self.texts), list(self.token_ids), list(self.logprobs))
+
     def result(self, final: m.Final) -> GenerateResult:
         return GenerateResult(
             text="".join(self.texts) + final.text,
@@ -79,3 +86,11 @@ def make_generate(request_id: int, prompt: str | None, messages: list[dict[str, 
         messages=None if messages is None else [m.ChatMessage(**x) for x in messages],
         prompt_token_ids=prompt_token_ids, sampling=sampling, stream=stream,
         deadline_s=deadline_s)
+
+
+def make_tokenize(request_id: int, prompt: str | None,
+                  messages: list[dict[str, Any]] | None) -> m.Tokenize:
+    """Build a Tokenize request (ValueError unless exactly one of prompt, messages)."""
+    return m.Tokenize(
+        id=request_id, prompt=prompt,
+        messages=None if messages is None else [m.ChatMessage(**x) for x in messages])

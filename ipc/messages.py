@@ -153,10 +153,42 @@ class Drain(_Request, frozen=True, tag="drain"):
 
 
 class Stop(_Request, frozen=True, tag="stop"):
-    """End every request now (error `shutting_down`), stop the scheduler, exit 0."""
+    """End every request now (error `drained`; during a drain too), stop the scheduler,
+    exit 0."""
 
 
-ClientMessage = Generate | Abort | StatusQuery | StatsQuery | SetSpec | Drain | Stop
+class Tokenize(_Request, frozen=True, tag="tokenize"):
+    """The token ids a generate with the same `prompt` (the tokenizer's own special tokens
+    added, as for a generate) or `messages` (with `tools` and `chat_template_kwargs`,
+    rendered by the chat template) would have as its prompt; answered `Tokens`."""
+
+    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: (Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)]
+                           | None) = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt, messages")
+        check_chat_options(self.messages, self.tools, self.chat_template_kwargs)
+
+
+def check_chat_options(messages: list[ChatMessage] | None, tools: list[dict[str, Any]] | None,
+                       chat_template_kwargs: dict[str, Any] | None) -> None:
+    """ValueError unless `tools` and `chat_template_kwargs` come with `messages` only, and
+    the kwargs leave the reserved variables alone (`add_generation_prompt` a bool)."""
+    if messages is None and (tools is not None or chat_template_kwargs is not None):
+        raise ValueError("tools and chat_template_kwargs go with messages only")
+    kwargs = chat_template_kwargs or {}
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
+    if not isinstance(kwargs.get("add_generation_prompt", True), bool):
+        raise ValueError("chat_template_kwargs.add_generation_prompt must be a bool")
+
+
+ClientMessage = Generate | Abort | StatusQuery | StatsQuery | SetSpec | Drain | Stop | Tokenize
 
 
 class Logprob(msgspec.Struct, frozen=True, array_like=True):
@@ -188,8 +220,10 @@ class Delta(_Reply, frozen=True, tag="delta"):
 class Final(_Reply, frozen=True, tag="final"):
     """The end of a generate request. `text`/`token_ids` hold the whole output when the
     request did not stream and the rest not yet streamed otherwise.
-    finish_reason: "stop" (EOS, stop token or stop string), "length", "abort".
-    acceptance_length: mean tokens per verify step (1 + accepted / drafted steps), 0 if none."""
+    finish_reason: "stop" (EOS, stop token or stop string), "length", "abort". After a
+    stop string, token_ids end with the token that completed it (num_output_tokens counts
+    the same tokens). acceptance_length: num_output_tokens per step that gave the request
+    tokens (1.0 without speculation); 0.0 when no step did."""
 
     id: int
     finish_reason: str
@@ -238,7 +272,14 @@ class Ack(_Reply, frozen=True, tag="ack"):
     message: str
 
 
-ServerMessage = Delta | Final | Error | StatusReply | StatsReply | Ack
+class Tokens(_Reply, frozen=True, tag="tokens"):
+    """The answer to `Tokenize`."""
+
+    id: int
+    token_ids: list[int] = []
+
+
+ServerMessage = Delta | Final | Error | StatusReply | StatsReply | Ack | Tokens
 
 
 # ---- front -> scheduler ------------------------------------------------------------------

@@ -153,12 +153,16 @@ class HttpServer:
         try:
             self.front.requests.admit(peer, generate)
             frames = await peer.receive()
+            if not options.stream:
+                # Not streamed: the Final, or an Error (after a Delta with the output so
+                # far, which an HTTP error response has no place for).
+                end = frames[-1]
+                if isinstance(end, m.Error):
+                    raise _error_of(end)
+                assert isinstance(end, m.Final), end
+                return json_response(answer.whole(end))
             if isinstance(frames[0], m.Error):
                 raise _error_of(frames[0])
-            if not options.stream:  # not streamed: one frame, the Final
-                final = frames[0]
-                assert isinstance(final, m.Final), final
-                return json_response(answer.whole(final))
             return await self._stream(request, peer, answer, frames)
         finally:
             self.front.requests.on_connection_closed(peer, "HTTP client gone")

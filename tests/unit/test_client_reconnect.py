@@ -42,6 +42,9 @@ class AckingHandler:
     def on_large_frame(self) -> None:
         pass
 
+    def end_requests(self, connection: Connection, code: str, reason: str) -> None:
+        pass  # it never holds a request open
+
 
 @contextmanager
 def idle_closing_server(path: Path) -> Iterator[AckingHandler]:

@@ -35,6 +35,7 @@ class Handler:
         self.close_reasons: list[str] = []
         self.has_open = False
         self.connection: Connection | None = None
+        self.ended: list[tuple[str, str]] = []  # end_requests calls: (code, reason)
 
     def on_message(self, connection: Connection, message: m.ClientMessage) -> None:
         self.messages.append(message)
@@ -47,6 +48,9 @@ class Handler:
 
     def on_large_frame(self) -> None:
         pass
+
+    def end_requests(self, connection: Connection, code: str, reason: str) -> None:
+        self.ended.append((code, reason))
 
 
 Client = tuple[asyncio.StreamReader, asyncio.StreamWriter]

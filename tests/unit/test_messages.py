@@ -23,6 +23,9 @@ CLIENT_MESSAGES = [
     m.SetSpec(id=7, mode="auto", threshold=8),
     m.Drain(id=8, timeout_s=3.0),
     m.Stop(id=9),
+    m.Tokenize(id=11, prompt="def f():"),
+    m.Tokenize(id=12, messages=[m.ChatMessage("user", "hi")],
+               chat_template_kwargs={"add_generation_prompt": False}),
 ]
 SERVER_MESSAGES = [
     m.Delta(id=1, text="hé", token_ids=[3, 4]),
@@ -37,6 +40,7 @@ SERVER_MESSAGES = [
                   engine={}, provenance={"code_version": "ab"}, config={}),
     m.StatsReply(id=6, stats={"num_steps": 3}),
     m.Ack(id=7, message="ok"),
+    m.Tokens(id=11, token_ids=[1, 2, 3]),
 ]
 TO_SCHEDULER = [
     m.AddRequest("r1", [1, 2], SamplingParams(temperature=0.7, seed=3)),
