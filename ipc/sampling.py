@@ -141,4 +141,6 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     def changes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before temperature (any penalty
         or a logit bias); when no request in a batch does, that work is skipped."""
-        return self.has_history_penalties or bool(self.logit_bias)
+        # One expression, not has_history_penalties: the sampler reads this per row and step.
+        return bool(self.logit_bias or self.repetition_penalty != 1.0
+                    or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)

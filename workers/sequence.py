@@ -44,6 +44,8 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
+        # Read by every step's overlap decision (`any_counts_its_tokens`): decided once.
+        self.counts_its_tokens = sampling.has_history_penalties
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -134,7 +136,7 @@ def any_counts_its_tokens(seqs: Iterable[Sequence]) -> bool:
     """Whether some sequence's sampling counts its earlier tokens (repetition, frequency or
     presence penalty). Those samples need every earlier token on the host, so while such a
     sequence runs the workers run whole steps (no overlap, no lagged verify)."""
-    return any(s.sampling.has_history_penalties for s in seqs)
+    return any(s.counts_its_tokens for s in seqs)
 
 
 def placeholder_token_id(sample_id: int) -> int:
