@@ -78,6 +78,14 @@ def test_size_two_with_speculation_keeps_the_tokens_and_accepts_drafts(
     assert accepted > 0
 
 
+def test_size_two_with_tree_speculation_keeps_the_tokens(single_rank: dict[str, Any]) -> None:
+    """Draft trees (top-k 2): verification with a tree mask over MLA's latent cache."""
+    tokens, accepted = generate("fixture-moe", spec_mode="on", spec_topk=2, spec_num_steps=3,
+                                spec_num_draft_tokens=6, tensor_parallel_size=2)
+    assert tokens == single_rank["fixture-moe"]
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("spec_mode", ["off", "on"])
 def test_expert_parallel_generates_the_size_one_tokens(
         spec_mode: str, single_rank: dict[str, Any]) -> None:

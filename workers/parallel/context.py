@@ -69,7 +69,11 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
-    """Join the default process group (every rank calls this once, with the same store)."""
+    """Join the default process group (every rank calls this once, with the same store).
+    On CUDA the rank's device becomes the current one first: NCCL runs each rank's
+    collectives on the current device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
 
