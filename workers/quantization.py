@@ -7,7 +7,8 @@
   `weight_shape` [2]; its forward is `int4_linear`, the one function that picks the Triton
   kernel on CUDA and the pure-torch reference elsewhere.
 * `Int4LinearFactory`: the model's linear factory for a quantized checkpoint; MoE layers ask
-  it (`quant_config`) whether their routed experts are INT4 (workers/moe_int4.py).
+  it (`is_quantized`, `quant_config`) whether and how their routed experts are INT4
+  (workers/moe.py's `build_routed_experts`, workers/moe_int4.py).
 * `pack_int4` / `unpack_int4` and `quantize_rtn` (round-to-nearest, symmetric, per group).
 """
 
