@@ -120,8 +120,8 @@ def test_a_failed_capture_is_logged_and_the_engine_runs_eagerly(
     assert [getattr(r, "what", "") for r in records] == (
         ["target forward"] + (["draft loop"] if mode == "chain" else []))
     for record in records:
-        assert record.exc_info is not None
-        assert "RuntimeError" in getattr(record, "traceback", "")
+        # The traceback travels once, as exc_info (JSON's "traceback" field is made of it).
+        assert record.exc_info is not None and record.exc_info[0] is RuntimeError
     status = core.resolved.graphs
     assert status.startswith("eager (capture of GraphShape(")
     assert "operation not permitted" in status
