@@ -194,3 +194,7 @@ class EngineResolved:
     kv_budget_bytes: int = 0
     kv_budget_source: str = ""
     kv_cache_tokens: int = 0
+    # Tensor parallelism: one entry per rank, "rank R pid P on DEVICE" (rank 0 is the
+    # scheduler process); empty in one process. Shown by `specctl status`.
+    ranks: tuple[str, ...] = ()
+    expert_parallel: bool = False

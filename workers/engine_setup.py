@@ -72,6 +72,8 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         kv_budget_bytes=budget.num_bytes,
         kv_budget_source=budget.source,
         kv_cache_tokens=runner.num_kv_blocks * config.block_size,
+        ranks=() if runner.driver is None else runner.driver.ranks(),
+        expert_parallel=config.expert_parallel,
     )
 
 

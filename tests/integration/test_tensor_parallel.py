@@ -39,6 +39,8 @@ def generate(model: str, **options: Any) -> tuple[list[list[int]], int]:
     driver = core.runner.driver
     processes = [] if driver is None else driver.workers.processes
     assert len(processes) == core.config.tensor_parallel_size - 1
+    assert core.resolved.ranks == (() if driver is None else (
+        f"rank 0 pid {os.getpid()} on cpu", f"rank 1 pid {processes[0].pid} on cpu"))
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for i, ids in enumerate(PROMPTS):

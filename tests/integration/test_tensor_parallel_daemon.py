@@ -26,6 +26,9 @@ def test_a_worker_rank_killed_mid_stream_fails_every_request_and_exits_75(
     try:
         (ready,) = daemon.events("tensor_parallel_ready")
         (worker_pid,) = ready["worker_pids"]
+        with daemon.client() as client:  # specctl status shows the ranks
+            assert client.status().resolved["ranks"] == [
+                f"rank 0 pid {daemon.scheduler_pid} on cpu", f"rank 1 pid {worker_pid} on cpu"]
         streams = [StreamInThread(daemon) for _ in range(2)]
         for s in streams:
             assert s.first_delta.wait(60)

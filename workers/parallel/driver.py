@@ -40,7 +40,12 @@ from specd.workers.kv_cache import allocate_kv_cache
 from specd.workers.layers import LinearFactory
 from specd.workers.model_config import ModelConfig
 from specd.workers.models import CausalLM
-from specd.workers.parallel.context import COLLECTIVE_TIMEOUT, ParallelContext, init_group
+from specd.workers.parallel.context import (
+    COLLECTIVE_TIMEOUT,
+    ParallelContext,
+    init_group,
+    rank_device,
+)
 from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_worker
@@ -161,8 +166,10 @@ class DriverModel(nn.Module):
     """Rank 0's shard (`local`) behind the model interface; every call also runs on the
     workers (module docstring). `config` and `model` are the local shard's."""
 
-    def __init__(self, local: CausalLM, workers: WorkerGroup, local_config: ModelConfig) -> None:
+    def __init__(self, local: CausalLM, workers: WorkerGroup, local_config: ModelConfig,
+                 device: str) -> None:
         super().__init__()
+        self.device = device  # `--device`: rank r runs on rank_device(device, r)
         self.local = local
         self.workers = workers
         self.local_config = local_config
@@ -208,6 +215,12 @@ class DriverModel(nn.Module):
         self.workers.send("allocate_kv", num_blocks)
         return allocate_kv_cache(self.local_config, num_blocks, block_size, dtype, device)
 
+    def ranks(self) -> tuple[str, ...]:
+        """"rank R pid P on DEVICE" for every rank, rank 0 (this process) first."""
+        pids = [os.getpid()] + [p.pid for p in self.workers.processes]
+        return tuple(f"rank {r} pid {pid} on {rank_device(self.device, r)}"
+                     for r, pid in enumerate(pids))
+
     def close(self) -> None:
         self.workers.close()
 
@@ -235,4 +248,4 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
         "event": "tensor_parallel_ready", "world_size": config.tensor_parallel_size,
         "expert_parallel": config.expert_parallel,
         "worker_pids": [p.pid for p in workers.processes]})
-    return DriverModel(local, workers, local_config)
+    return DriverModel(local, workers, local_config, config.device)
