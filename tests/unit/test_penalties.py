@@ -18,6 +18,7 @@ import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.sampler import penalize, probs_from_logits, sample
+from specd.workers.sequence import Sequence, any_counts_its_tokens
 from specd.workers.spec.accept import accept_tree, penalize_tree
 from specd.workers.spec.tree import DraftTree, path_counts, tree_mask_from_parents
 
@@ -108,6 +109,25 @@ def test_history_penalties_refuse_tokens_still_being_computed() -> None:
     # A bias alone needs no history: tokens in flight do not matter to it.
     got = penalize(torch.zeros(1, 4), [SamplingParams(logit_bias={3: 5.0})], [unknown])
     assert got.tolist() == [[0.0, 0.0, 0.0, 5.0]]
+
+
+def test_only_penalties_that_count_tokens_need_whole_steps() -> None:
+    plain = Sequence("a", [1], SamplingParams())
+    biased = Sequence("b", [1], SamplingParams(logit_bias={3: 1.0}))
+    assert not any_counts_its_tokens([plain, biased])
+    for penalty in ({"repetition_penalty": 1.1}, {"frequency_penalty": -0.1},
+                    {"presence_penalty": 0.1}):
+        penalized = Sequence("c", [1], SamplingParams(**penalty))
+        assert any_counts_its_tokens([plain, penalized])
+
+
+def test_a_sequence_with_a_sample_in_flight_has_unknown_tokens() -> None:
+    seq = Sequence("a", [1], SamplingParams(repetition_penalty=1.2))
+    seq.pending_sample_ids = [4]  # the step being launched samples this one: all known
+    assert seq.num_unknown_tokens == 0
+    seq.pending_sample_ids = [3, 4]  # the step in flight has not told its token yet
+    with pytest.raises(ValueError, match="still being computed"):
+        penalize(torch.zeros(1, 4), [seq.sampling], [seq])
 
 
 def test_greedy_takes_the_argmax_of_the_penalized_logits() -> None:
