@@ -55,7 +55,7 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
     budget = runner.kv_budget
     if config.num_kv_blocks is not None:  # the budget did not decide: report the blocks'
         budget = KvBudget(runner.num_kv_blocks * kv_block_bytes(
-            core.model_config, config.block_size, runner.dtype), "num_kv_blocks")
+            runner.kv_model_config, config.block_size, runner.dtype), "num_kv_blocks")
     return EngineResolved(
         model_name=config.model_path.name,
         num_kv_blocks=runner.num_kv_blocks,
@@ -68,7 +68,8 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         overlap_schedule=config.overlap_enabled,
         graphs=worker.graphs_status(),
         graph_memory_bytes=worker.graph_memory_bytes,
-        kv_bytes_per_token=kv_bytes_per_token(core.model_config, runner.dtype),
+        # Per rank under tensor parallelism (the cache each rank holds).
+        kv_bytes_per_token=kv_bytes_per_token(runner.kv_model_config, runner.dtype),
         kv_budget_bytes=budget.num_bytes,
         kv_budget_source=budget.source,
         kv_cache_tokens=runner.num_kv_blocks * config.block_size,

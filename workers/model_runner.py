@@ -93,8 +93,9 @@ class ModelRunner:
     With `config.tensor_parallel_size` > 1 the model is rank 0's shard behind a
     `DriverModel` (workers/parallel/driver.py), which runs every model call on the worker
     ranks too; the rest of the runner is the same. Each rank allocates `num_kv_blocks`
-    blocks of its own layer shape; the budget counts the whole model's bytes per block.
-    `close()` stops the workers.
+    blocks of its own layer shape (`kv_model_config`), and the budget is each rank's: a
+    dense model's rank holds 1/N of the K/V heads, so the same budget holds N times the
+    blocks (MLA's latent rows are whole on every rank). `close()` stops the workers.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
@@ -142,7 +143,7 @@ class ModelRunner:
             del trial
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.num_kv_blocks = num_kv_blocks(config, self.model_config, self.dtype, reserved,
+        self.num_kv_blocks = num_kv_blocks(config, self.kv_model_config, self.dtype, reserved,
                                            extra_kv_elements_per_token, self.kv_budget)
         # With graphs, one block more than the scheduler owns: the padding rows' (graphs.py).
         self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
@@ -281,6 +282,12 @@ class ModelRunner:
                                                  self.device)
         return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,
                                  self.dtype, self.device)
+
+    @property
+    def kv_model_config(self) -> ModelConfig:
+        """The config this rank's KV cache is laid out by: the model's, or under tensor
+        parallelism rank 0's shard's (its K/V heads)."""
+        return self.model_config if self.driver is None else self.driver.local_config
 
     def draft_embedding_weight(self) -> torch.Tensor:
         """The target's whole token embedding [vocab, hidden], which a draft head without its

@@ -22,8 +22,10 @@ import torch
 from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
+from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine import EngineCore
+from specd.workers.kv_cache import kv_bytes_per_token
+from specd.workers.model_config import ModelConfig
 from specd.workers.parallel.driver import RankFailed
 
 PROMPTS = heldout_prompt_ids(3, 7, 11)
@@ -146,3 +148,21 @@ def test_int4_experts_that_would_split_a_quantization_group_are_refused(
     with pytest.raises(ValueError, match="group_size 32 does not divide"):
         EngineCore(EngineConfig(model=str(int4_moe_dir), speculative_algorithm=None,
                                 dtype="float32", tensor_parallel_size=2))
+
+
+def test_each_rank_sizes_its_kv_cache_by_its_own_heads() -> None:
+    """The budget is each rank's: at size 2 a rank of the dense fixture holds 1 of its 2 K/V
+    heads, so a token costs half the bytes and the same budget holds twice the blocks."""
+    budget = 2**22
+    full = ModelConfig.from_dir(FIXTURE_DIR)
+    config = EngineConfig(dtype="float32", speculative_algorithm=None,
+                          kv_cache_memory_bytes=budget, tensor_parallel_size=2)
+    core = EngineCore(config)
+    try:
+        per_token = kv_bytes_per_token(full, torch.float32) // 2
+        assert core.resolved.kv_bytes_per_token == per_token
+        assert core.runner.num_kv_blocks == budget // (per_token * config.block_size)
+        assert [tuple(layer.shape) for layer in core.runner.kv_caches[:1]] == [
+            (2, core.runner.num_kv_blocks, config.block_size, 1, full.head_dim)]
+    finally:
+        core.close()
