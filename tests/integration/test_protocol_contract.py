@@ -159,6 +159,21 @@ def test_deadline_exceeded_keeps_the_partial_output(
     assert partial.text == tokenizer.decode(partial.token_ids)
 
 
+def test_logprobs_are_the_raw_distribution_whatever_the_sampling(daemon: Daemon) -> None:
+    with daemon.client() as client:
+        greedy = client.generate(PROMPT, max_tokens=1, logprobs=3)
+        hot = client.generate(PROMPT, max_tokens=1, logprobs=3, temperature=5.0, top_k=2,
+                              seed=1, logit_bias={greedy.token_ids[0]: -50.0})
+        none = client.generate(PROMPT, max_tokens=1)
+    first, other = greedy.logprobs[0], hot.logprobs[0]
+    # Before temperature, filters and bias: the same top ids and values for the first
+    # token, and the sampled token's own log-probability read from that distribution.
+    assert other.top_ids == first.top_ids
+    assert other.top_logprobs == pytest.approx(first.top_logprobs, abs=1e-5)
+    assert first.logprob == pytest.approx(first.top_logprobs[0], abs=1e-6)
+    assert none.logprobs == []  # logprobs 0: none at all
+
+
 def test_a_request_aborted_before_its_first_token_has_no_acceptance_figure(
         daemon: Daemon) -> None:
     raw = Raw(daemon)
