@@ -71,16 +71,21 @@ MIXED = [
 ]
 
 
-def _run(**options: Any) -> tuple[dict[str, list[int]], EngineCore]:
+def _run(arrivals: tuple[int, ...] = (0, 0, 0, 0), **options: Any
+         ) -> tuple[dict[str, list[int]], EngineCore]:
+    """MIXED[i] on PROMPTS[i], added at engine step arrivals[i]."""
     torch.set_num_threads(1)
     core = EngineCore(EngineConfig(max_num_batched_tokens=64, dtype="float32", **options))
     out: dict[str, list[int]] = {}
-    for i, params in enumerate(MIXED):
-        core.add_request(f"r{i}", PROMPTS[i], params)
-        out[f"r{i}"] = []
-    while core.has_unfinished():
+    step = 0
+    while len(out) < len(MIXED) or core.has_unfinished():
+        for i, params in enumerate(MIXED):
+            if arrivals[i] == step:
+                core.add_request(f"r{i}", PROMPTS[i], params)
+                out[f"r{i}"] = []
         for delta in core.step():
             out[delta.request_id] += delta.new_token_ids
+        step += 1
     return out, core
 
 
@@ -103,6 +108,19 @@ def test_greedy_with_penalties_is_the_plain_engines(plain: dict[str, list[int]],
     assert out == plain
     if options.get("spec_mode") == "on":
         assert core.stats().num_accepted > 0
+
+
+@pytest.mark.parametrize("options", [
+    {"spec_mode": "on", "spec_topk": 1, "spec_num_steps": 3},
+    {"spec_mode": "on", "spec_topk": 2, "spec_num_steps": 3, "spec_num_draft_tokens": 6},
+], ids=["chain", "tree"])
+def test_penalized_requests_joining_overlapped_speculation_keep_the_output(
+        plain: dict[str, list[int]], options: dict[str, Any]) -> None:
+    # The unpenalized request runs overlapped (lagged verifies) until penalized ones join;
+    # their steps are whole (lagged drafts dropped), then overlap resumes once they finish.
+    out, core = _run(arrivals=(4, 6, 0, 9), overlap_schedule=True, **options)
+    assert out == plain
+    assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
 
 
 def test_penalties_change_the_greedy_output(plain: dict[str, list[int]]) -> None:
