@@ -36,7 +36,8 @@ class DaemonConfig:
     operator_uid: besides root, the user whose connections may send control requests
         (drain, stop, spec); None: the daemon's own user. Others get `forbidden`.
     drain_timeout_s: SIGTERM / `specctl drain` waits this long for in-flight requests.
-    hang_timeout_s: a scheduler with work that sends no step output for this long is hung.
+    hang_timeout_s: a scheduler that makes no progress for this long is hung: with work, no
+        step output; idle, no answer to the front's probes; loading, no heartbeat.
     startup_timeout_s: the scheduler must send Ready within this (load + warm-up).
     max_stop_strings / max_stop_chars: bounds on a request's stop strings.
     http: serve the OpenAI-compatible HTTP API and /metrics on this address ("HOST:PORT",
