@@ -178,7 +178,7 @@ def run_checks(socket_path: Path | None, timeout: float) -> list[CheckResult]:
     if status is not None and client is not None:
         results += check_provenance(status)
         results.append(check_config(status))
-        if status.engine:
+        if status.engine and "error" not in status.engine:  # the scheduler's own figures
             results.append(check_fallbacks(status))
         if status.state == "ready":
             results.append(check_generation(client))

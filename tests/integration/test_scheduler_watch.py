@@ -82,6 +82,7 @@ def test_an_idle_scheduler_that_stops_answering_is_named_then_fails_the_daemon(
         assert doctor.returncode == EXIT_DOCTOR_PROBLEM
         assert "FAIL  daemon: state unresponsive" in doctor.stdout
         assert f"kill -CONT {pid}" in doctor.stdout
+        assert "fallbacks:" not in doctor.stdout  # unknown while it does not answer
 
         assert daemon.wait(60) == EXIT_SCHEDULER_FAILED
         assert time.monotonic() - started < HANG_TIMEOUT_S + 10
