@@ -114,15 +114,7 @@ class Generate(_Request, frozen=True, tag="generate"):
             raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        if self.messages is None and (self.tools is not None
-                                      or self.chat_template_kwargs is not None):
-            raise ValueError("tools and chat_template_kwargs go with messages only")
-        kwargs = self.chat_template_kwargs or {}
-        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}")
-        if not isinstance(kwargs.get("add_generation_prompt", True), bool):
-            raise ValueError("chat_template_kwargs.add_generation_prompt must be a bool")
+        check_chat_options(self.messages, self.tools, self.chat_template_kwargs)
 
 
 class Abort(_Request, frozen=True, tag="abort"):
