@@ -58,9 +58,17 @@ class StageWatch:
         # After the command name: state is field 3 (index 0), so minflt (10) is index 7,
         # majflt (12) index 9, utime (14) index 11, stime (15) index 12 (proc(5)).
         minflt, majflt, utime, stime = (int(fields[i]) for i in (7, 9, 11, 12))
-        io = dict(line.split(": ") for line in (self._task / "io").read_text().splitlines())
         frame = sys._current_frames().get(self._main_ident)  # another thread's frame
-        return (utime + stime, minflt, majflt, int(io["rchar"])), _position(frame)
+        return (utime + stime, minflt, majflt, self._bytes_read()), _position(frame)
+
+    def _bytes_read(self) -> int:
+        """The main thread's `rchar`; 0 where the sandbox hides /proc/self/task/TID/io
+        (CPU time, faults and the Python position still show progress)."""
+        try:
+            text = (self._task / "io").read_text()
+        except PermissionError:
+            return 0
+        return int(dict(line.split(": ") for line in text.splitlines())["rchar"])
 
     def _run(self) -> None:
         last = self.sample()
