@@ -151,7 +151,7 @@ plan() {
     step gpu-tests 80 - -- "$PY" -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider \
         tests/kernels/test_kernels_gpu.py tests/integration/test_graphs.py \
         tests/integration/test_overlap.py tests/integration/test_int4_model.py \
-        tests/integration/test_kv_budget_gpu.py
+        tests/integration/test_kv_budget_gpu.py tests/integration/test_tensor_parallel_gpu.py
     step kernels 100 bench_kernels.json -- "$PY" tools/bench_kernels.py \
         --out "$OUT/bench_kernels.json" --group-sizes 32,128 "${kernels_args[@]}"
     step overlap 40 bench_overlap.json -- "$PY" tools/bench_overlap.py --device cuda \

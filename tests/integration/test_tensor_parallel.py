@@ -26,23 +26,25 @@ from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine import EngineCore
 from specd.workers.kv_cache import kv_bytes_per_token
 from specd.workers.model_config import ModelConfig
+from specd.workers.parallel.context import rank_device
 from specd.workers.parallel.driver import RankFailed
 
 PROMPTS = heldout_prompt_ids(3, 7, 11)
 NEW_TOKENS = 12
 
 
-def generate(model: str, **options: Any) -> tuple[list[list[int]], int]:
+def generate(model: str, device: str = "cpu", **options: Any) -> tuple[list[list[int]], int]:
     """Greedy continuations of PROMPTS (batched) and the number of accepted drafts. The
     engine is closed after, and its worker ranks must have exited cleanly."""
     torch.set_num_threads(1)
-    core = EngineCore(EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
-                                   **options))
+    core = EngineCore(EngineConfig(model=model, device=device, dtype="float32",
+                                   max_num_batched_tokens=32, **options))
     driver = core.runner.driver
     processes = [] if driver is None else driver.workers.processes
     assert len(processes) == core.config.tensor_parallel_size - 1
     assert core.resolved.ranks == (() if driver is None else (
-        f"rank 0 pid {os.getpid()} on cpu", f"rank 1 pid {processes[0].pid} on cpu"))
+        f"rank 0 pid {os.getpid()} on {rank_device(device, 0)}",
+        f"rank 1 pid {processes[0].pid} on {rank_device(device, 1)}"))
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for i, ids in enumerate(PROMPTS):
