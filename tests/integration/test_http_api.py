@@ -161,6 +161,27 @@ def test_errors_arrive_as_the_sdks_exceptions(api: openai.OpenAI) -> None:
     assert too_long.value.code == "prompt_too_long"
 
 
+def test_penalties_and_logit_bias_equal_the_sockets(daemon: Daemon, api: openai.OpenAI) -> None:
+    prompt = PROMPTS[0]
+    with daemon.client() as client:
+        expected = client.generate(prompt, max_tokens=NEW_TOKENS, repetition_penalty=1.2,
+                                   frequency_penalty=0.5, presence_penalty=0.25,
+                                   logit_bias={65: 2.0, 85: -3.0})
+        plain = client.generate(prompt, max_tokens=NEW_TOKENS)
+    assert expected.token_ids != plain.token_ids  # the penalties change this output
+    got = api.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS,
+                                 temperature=0, frequency_penalty=0.5, presence_penalty=0.25,
+                                 logit_bias={"65": 2, "85": -3},  # OpenAI's string keys
+                                 extra_body={"repetition_penalty": 1.2})
+    assert got.choices[0].text == expected.text
+    # A token id the protocol allows but the model's vocabulary does not: the engine
+    # refuses the request, and the client gets a 400.
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                               logit_bias={str(2**31 - 1): 1})
+    assert raised.value.code == "bad_request" and "logit_bias" in raised.value.message
+
+
 def test_metrics_move_as_requests_run(base_url: str, api: openai.OpenAI) -> None:
     before = scrape(base_url)
     api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
