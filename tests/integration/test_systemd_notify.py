@@ -232,6 +232,7 @@ def startup_messages(messages: list[str]) -> list[str]:
 
 EXPECTED_STARTUP = [
     "STATUS=starting: tokenizer", EXTEND,
+    "STATUS=starting: model configuration", EXTEND,
     "STATUS=starting: socket", EXTEND,
     "STATUS=starting: scheduler: spawn", EXTEND,
     "STATUS=starting: scheduler: import", EXTEND,
