@@ -110,3 +110,29 @@ def test_a_configuration_error_while_loading_stays_78(tmp_path: Path,
         assert "stage load" in record["msg"] and "planted" in record["msg"]
     finally:
         daemon.stop()
+
+
+def test_a_code_bug_in_the_front_exits_70_with_its_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import sys
+        if "specd.daemon.main" in sys.orig_argv:
+            import specd.daemon.front as front
+
+            def init(self, *args, **kwargs):
+                return self.planted_attribute
+
+            front.Front.__init__ = init
+    """))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    daemon = Daemon(tmp_path)
+    try:
+        assert daemon.wait(60) == EXIT_SOFTWARE
+        (record,) = daemon.events("internal_error")
+        assert "AttributeError" in record["msg"] and "planted_attribute" in record["traceback"]
+        assert not daemon.socket_path.exists()  # cleaned up on the way out
+    finally:
+        daemon.stop()
