@@ -138,7 +138,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         logits.index_put_((_ids(bias_rows, device), _ids(bias_ids, device)),
                           upload(torch.tensor(bias, dtype=torch.float32), device),
                           accumulate=True)
-    values = upload(torch.tensor([[p.repetition_penalty, p.frequency_penalty,
+    values = upload(torch.tensor([[_repetition(p), p.frequency_penalty,
                                    p.presence_penalty] for p in params],
                                  dtype=torch.float32), device)  # [R, 3]
     repetition, frequency, presence = (values[:, i:i + 1] for i in range(3))  # [R, 1] each
@@ -253,6 +253,15 @@ def _temperature(p: SamplingParams) -> float:
     -inf / inf is NaN. At that temperature a row is already uniform over its finite logits
     unless they span more than ~1e31, so the bound changes nothing else."""
     return 1.0 if p.is_greedy else min(p.temperature, torch.finfo(torch.float32).max)
+
+
+def _repetition(p: SamplingParams) -> float:
+    """A row's repetition penalty within float32's positive normal range: a value that
+    rounded to 0 or inf would turn a masked (-inf) or a 0 logit into NaN (-inf * 0, 0 * inf).
+    The bounds change nothing else: past them a seen token is already pushed to 0 or
+    +-inf."""
+    finfo = torch.finfo(torch.float32)
+    return min(max(p.repetition_penalty, finfo.tiny), finfo.max)
 
 
 def _shifted(logits: torch.Tensor) -> torch.Tensor:

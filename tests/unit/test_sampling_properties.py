@@ -15,6 +15,10 @@ vocabulary of one token. The contract checked:
         token's log-probability finite.
     accept_tree / accept_sampled: a path down the tree, every emitted token of positive
         target probability at its node, greedy trees the plain greedy walk.
+    penalize / penalize_tree: no NaN where the logits had none, masked tokens stay masked,
+        and what follows (probs_from_logits) is still a distribution, for any repetition
+        penalty > 0 (float32 rounds 1e-300 to 0 and 1e300 to inf), frequency and presence
+        penalties in [-2, 2] and biases in [-100, 100].
 
 derandomize=True makes the examples a function of the test alone, so CI is reproducible;
 database=None keeps hypothesis from writing into the working tree.
@@ -39,8 +43,14 @@ from specd.ipc.sampling import (
     MIN_INT64,
     SamplingParams,
 )
-from specd.workers.sampler import probs_from_logits, sample, sample_from_probs, top_logprobs
-from specd.workers.spec.accept import accept_greedy, accept_sampled, accept_tree
+from specd.workers.sampler import (
+    penalize,
+    probs_from_logits,
+    sample,
+    sample_from_probs,
+    top_logprobs,
+)
+from specd.workers.spec.accept import accept_greedy, accept_sampled, accept_tree, penalize_tree
 from specd.workers.spec.tree import DraftTree, tree_mask_from_parents
 
 # Timing is not a property here (the first torch call of a run is slow); max_examples
@@ -271,3 +281,69 @@ def test_each_bound_is_usable_and_one_past_it_is_refused_naming_the_field(
         torch.Generator().manual_seed(params.seed)
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: first_refused})
+
+
+repetition_penalties = st.one_of(
+    st.sampled_from([*TINY, 0.5, 1.0, 1.3, 1e38, 1e300, sys.float_info.max]),
+    st.floats(min_value=0.0, exclude_min=True, allow_infinity=False))
+
+
+class History(msgspec.Struct, frozen=True):
+    """sampler.TokenHistory for the properties below."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_unknown_tokens: int = 0
+
+
+@st.composite
+def penalized_strategy(draw: st.DrawFn, vocab: int) -> tuple[SamplingParams, History]:
+    tokens = st.integers(0, vocab - 1)
+    params = SamplingParams(
+        temperature=draw(temperatures), top_k=draw(top_ks), top_p=draw(top_ps),
+        repetition_penalty=draw(repetition_penalties),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+        logit_bias=draw(st.dictionaries(tokens, st.floats(-100.0, 100.0), max_size=3)))
+    history = History(draw(st.lists(tokens, min_size=1, max_size=6)),
+                      draw(st.lists(tokens, max_size=6)))
+    return params, history
+
+
+def check_penalized(logits: torch.Tensor, changed: torch.Tensor) -> None:
+    assert not bool(changed.isnan().any())
+    assert bool((changed[logits == -math.inf] == -math.inf).all())
+
+
+@PROPERTY
+@given(st.data())
+def test_penalized_logits_keep_masks_and_give_distributions(data: st.DataObject) -> None:
+    num_rows, vocab = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 10))
+    logits = data.draw(logits_strategy((num_rows, vocab)))
+    cases = data.draw(st.lists(penalized_strategy(vocab), min_size=num_rows,
+                               max_size=num_rows))
+    params = [p for p, _ in cases]
+    changed = penalize(logits, params, [h for _, h in cases])
+    check_penalized(logits, changed)
+    check_distribution(probs_from_logits(changed, params))
+
+
+@PROPERTY
+@given(st.data())
+def test_penalized_trees_keep_masks_and_accept_tokens_of_positive_probability(
+        data: st.DataObject) -> None:
+    batch, vocab = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 8))
+    tree = data.draw(tree_strategy(batch, vocab))
+    logits = data.draw(logits_strategy((batch, tree.num_nodes, vocab)))
+    cases = data.draw(st.lists(penalized_strategy(vocab), min_size=batch, max_size=batch))
+    params = [p for p, _ in cases]
+    changed = penalize_tree(logits, tree, params, [h for _, h in cases])
+    check_penalized(logits, changed)
+    acc = accept_tree(tree, changed, params, generators_for(params))
+    probs = probs_from_logits(changed.flatten(0, 1), [p for p in params
+                                                      for _ in range(tree.num_nodes)])
+    probs = probs.view(batch, tree.num_nodes, vocab)
+    for b, (tokens, nodes) in enumerate(zip(acc.token_lists(), acc.node_lists(), strict=True)):
+        at = [0, *nodes]  # the node each emitted token was decided at
+        for token, node in zip(tokens, at, strict=True):
+            assert float(probs[b, node, token]) > 0
