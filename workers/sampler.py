@@ -128,7 +128,6 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     of the prompt), output_counts [R, V] (occurrences in the output), one params per row.
     Returns a new tensor; a row without penalties or biases comes back unchanged."""
     _check_rows(logits, params, "params")
-    num_rows, vocab = logits.shape
     device = logits.device
     logits = logits.float().clone()
     bias_rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
