@@ -258,7 +258,7 @@ def penalize_tree(target_logits: torch.Tensor, tree: DraftTree, params: Sequence
     rows = [b for b, p in enumerate(params) if p.changes_logits]
     if not rows:
         return target_logits
-    batch, num_nodes, vocab = target_logits.shape
+    _, num_nodes, vocab = target_logits.shape
     device = target_logits.device
     index = upload(torch.tensor(rows, dtype=torch.int64), device)
     counted = counted_histories([params[b] for b in rows], [histories[b] for b in rows])
