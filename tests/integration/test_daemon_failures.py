@@ -56,8 +56,9 @@ def test_scheduler_killed_mid_stream(tmp_path: Path) -> None:
         streams = [StreamInThread(daemon) for _ in range(3)]
         for s in streams:
             assert s.first_delta.wait(60)
+        pid = daemon.scheduler_pid
         killed_at = time.monotonic()
-        os.kill(daemon.scheduler_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         for s in streams:
             s.join()
             assert isinstance(s.error, errors.SchedulerUnavailable)
