@@ -36,12 +36,20 @@ def status_lines(reply: StatusReply) -> list[str]:
             f"({reply.resolved.get('kv_budget_source', '?')})",
             f"speculation  mode {engine.get('spec_mode', '?')}, active "
             f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
-            f"accepted {engine.get('num_accepted', 0)}",
+            f"accepted {engine.get('num_accepted', 0)}" + threshold_text(engine),
             *fallback_lines(engine.get("fallbacks") or {}),
         ]
     for key, value in reply.resolved.items():
         lines.append(f"resolved     {key} = {value}")
     return lines
+
+
+def threshold_text(engine: dict[str, Any]) -> str:
+    """Auto mode's live marks (what the last `spec` request set); "" without a draft."""
+    if engine.get("spec_threshold") is None:
+        return ""
+    return (f", off above {engine['spec_threshold']} running, on again at "
+            f"{engine.get('spec_resume_at', '?')}")
 
 
 def fallback_lines(fallbacks: dict[str, str]) -> list[str]:

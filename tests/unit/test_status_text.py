@@ -56,3 +56,13 @@ def test_the_code_and_its_install_are_shown() -> None:
                 "git": {"sha": "92818fdfb6261f2e8f2ac1d7c5e0a3b4c5d6e7f8", "branch": "main"}}
     lines = status_lines(_reply({}, front=checkout))
     assert "install      not installed, /home/me/specd/specd, git 92818fdfb626 (main)" in lines
+
+
+def test_the_live_speculation_threshold_is_shown_with_the_mode() -> None:
+    engine = {"num_running": 0, "spec_mode": "auto", "spec_active": True,
+              "spec_threshold": 12, "spec_resume_at": 9}
+    (line,) = [x for x in status_lines(_reply(engine)) if x.startswith("speculation")]
+    assert line.endswith("off above 12 running, on again at 9")
+    engine.update(spec_mode="off", spec_active=False, spec_threshold=None)
+    (line,) = [x for x in status_lines(_reply(engine)) if x.startswith("speculation")]
+    assert "above" not in line  # no draft model: no threshold to show
