@@ -6,7 +6,9 @@ table) from then on: while its prompt is tokenized (short prompts at once, long 
 prompt encoder's worker thread), then in the scheduler. Each step's `TokenDelta` is
 detokenized and streamed (or kept for the final frame); the request ends with a final frame
 (a finish reason from the engine, a stop string, an abort) or an error frame (a failed
-step, a deadline, a drain, a dead scheduler), and leaves the table.
+step, a deadline, a drain, a dead scheduler, the daemon closing its connection) preceded by
+a delta with the output the client has not seen, and leaves the table. `tokenize`
+requests share the prompt encoder and never reach the scheduler.
 
 A request answers to a `Client`: a socket `Connection`, or an HTTP request's peer
 (`daemon/http/peer.py`), admitted, ended and aborted the same way. Each output with tokens
