@@ -78,6 +78,7 @@ class Front:
         self.last_progress = time.monotonic()
         self.last_heard = time.monotonic()  # the scheduler's last message of any kind
         self.last_probe = 0.0
+        self.was_unresponsive = False  # STATUS said so (and must say serving again)
         self.last_watchdog = 0.0
         self.last_extend = time.monotonic()
         self.is_hung = False
@@ -183,6 +184,7 @@ class Front:
         is_stalled = stalled_s > self.config.hang_timeout_s
         if not is_busy:
             self._probe_if_quiet(now)
+        self._report_responsiveness()
         if is_stalled and not self.is_hung:
             self.is_hung = True
             self.spawn(self._on_hang(
@@ -201,6 +203,19 @@ class Front:
         if now - max(self.last_heard, self.last_probe) >= interval:
             self.last_probe = now
             self.control.probe()
+
+    def _report_responsiveness(self) -> None:
+        """STATUS=unresponsive while the scheduler owes an answer, serving again after."""
+        if self.state is not State.READY:
+            return
+        if self.is_unresponsive:
+            self.was_unresponsive = True
+            self.lifecycle.unresponsive(f"the scheduler did not answer; process "
+                                        f"{self.scheduler.pid} is "
+                                        f"{self.scheduler.process_state()}")
+        elif self.was_unresponsive:
+            self.was_unresponsive = False
+            self.lifecycle.serving(self._summary())
 
     @property
     def reported_state(self) -> str:

@@ -8,7 +8,9 @@ or was built from other code) -> exit 75 / 78 after every open request got an er
 Sequence under `Type=notify`: STATUS at each start-up stage with EXTEND_TIMEOUT while the
 scheduler loads and warms up; READY=1 once, after Ready arrived and was accepted; WATCHDOG=1
 at the watchdog interval only while the scheduler makes progress (or is idle); STOPPING=1
-when a drain begins; a last STATUS naming the failure before a failing exit.
+when a drain begins; a last STATUS naming the failure before a failing exit. While the
+scheduler does not answer, STATUS says `unresponsive: ...` until it does (or the hang
+timeout fails the daemon).
 """
 
 from __future__ import annotations
@@ -60,8 +62,17 @@ class Lifecycle:
         STATUS is sent only when the summary changed."""
         if is_making_progress:
             self.notifier.watchdog()
-            if not self.is_draining:
-                self._status(f"serving: {summary}")
+            self.serving(summary)
+
+    def serving(self, summary: str) -> None:
+        """STATUS back to serving (not while draining); sent only when it changed."""
+        if not self.is_draining:
+            self._status(f"serving: {summary}")
+
+    def unresponsive(self, detail: str) -> None:
+        """The scheduler owes an answer (status `unresponsive`); STATUS says so at once,
+        WATCHDOG=1 stops only at the hang timeout (`alive`)."""
+        self._status(f"unresponsive: {detail}")
 
     def draining(self, num_open: int, timeout_s: float) -> None:
         self.is_draining = True

@@ -339,6 +339,23 @@ def test_watchdog_pings_stop_while_the_scheduler_hangs(daemons: list[Daemon], tm
     client.close()
 
 
+def test_an_idle_scheduler_that_stops_answering_shows_in_status_until_it_answers(
+        daemons: list[Daemon], tmp_path: Path, model_dir: Path) -> None:
+    daemon = start(daemons, tmp_path, model_dir, "--hang-timeout-s", "60")
+    daemon.wait_ready()
+    scheduler = daemon.scheduler_pid()
+    os.kill(scheduler, signal.SIGSTOP)
+    stopped = (rf"STATUS=unresponsive: the scheduler did not answer; process {scheduler} is "
+               r"stopped \(state T: .*\)")
+    daemon.recorder.wait_for(stopped, 5, daemon.process)
+    os.kill(scheduler, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not daemon.recorder.messages[-1].startswith("STATUS=serving: "):
+        assert time.monotonic() < deadline, daemon.recorder.messages[-4:]
+        time.sleep(0.1)
+    assert daemon.process.poll() is None  # answered again within the hang timeout
+
+
 def test_bad_model_path_exits_78_without_ready(daemons: list[Daemon], tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, ["--model", str(tmp_path / "no-such-model")])
     daemons.append(daemon)
