@@ -19,13 +19,7 @@ from typing import Any
 from specd.ipc.sampling import SamplingParams
 from specd.workers.batch import ScheduledBatch, TokenLogprobs
 from specd.workers.config import EngineConfig, EngineResolved
-from specd.workers.engine_setup import (
-    build_worker,
-    engine_resolved,
-    log_switch,
-    max_model_len,
-    warm_up,
-)
+from specd.workers.engine_setup import build_worker, engine_resolved, log_switch, max_model_len
 from specd.workers.isolation import Isolation, describe
 from specd.workers.model_config import ModelConfig
 from specd.workers.parallel.driver import RankFailed
@@ -34,6 +28,7 @@ from specd.workers.scheduler import Scheduler
 from specd.workers.sequence import FinishReason
 from specd.workers.sequence import Sequence as Seq
 from specd.workers.spec.worker import SpeculativeWorker
+from specd.workers.warmup import warm_up
 
 log = logging.getLogger("specd.engine")
 
@@ -184,7 +179,7 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.isolation.is_active)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, isolate: bool = True) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
         got tokens or finished.
 
@@ -196,7 +191,8 @@ class EngineCore:
 
         A step that raises is isolated (workers/isolation.py): the request it is blamed
         on gets a last delta with finish reason "error" and `error` set; StepFailed when
-        no request can be blamed.
+        no request can be blamed. `isolate=False` (warm-up, where a failing path is a bug
+        in the code, not a request's fault): the exception leaves as raised.
         """
         self._attempted = []
         num_steps = self._num_steps
@@ -206,6 +202,8 @@ class EngineCore:
         except RankFailed:
             raise  # a tensor-parallel rank is gone: no request is to blame
         except Exception as exc:  # noqa: BLE001 - blamed on a request, or StepFailed
+            if not isolate:
+                raise
             self._recover(exc, alone)
         else:
             self.isolation.after_step(self.scheduler.sequences, self._num_steps > num_steps)
@@ -356,9 +354,9 @@ class EngineCore:
         log_switch(self.worker.controller.set_mode(mode, threshold))
 
     def warmup(self) -> None:
-        """Run every path once (prefill, decode, sampling; every compiled step kind) so the
-        first request pays nothing. Its steps are not the workload: the figures that
-        status and stats report start from zero after it."""
+        """Run every decode path the configuration enables (workers/warmup.py): a broken
+        path fails start-up with its own exception, not the first request that takes it.
+        Its steps are not the workload: the figures status reports start from zero."""
         warm_up(self)
         self._num_steps = 0
         self._num_generated = 0

@@ -1,13 +1,12 @@
-"""How an `EngineCore` is put together and started: its step worker (speculative with a
-draft model, plain without) and runner, the longest sequence served, warm-up, and what it
-resolved (status)."""
+"""How an `EngineCore` is put together: its step worker (speculative with a draft model,
+plain without) and runner, the longest sequence served, and what it resolved (status).
+Warm-up is workers/warmup.py."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
-from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.kv_cache import KvBudget, kv_block_bytes, kv_bytes_per_token
 from specd.workers.model_config import ModelConfig
@@ -76,40 +75,6 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         ranks=() if runner.driver is None else runner.driver.ranks(),
         expert_parallel=config.expert_parallel,
     )
-
-
-def warm_up(core: EngineCore) -> None:
-    """`EngineCore.warmup`: two requests (greedy and sampled) through every path, then the
-    compiled step kinds; speculation's measurements are forgotten after (warm-up steps
-    are not the workload)."""
-    ids = [1, 2, 3]
-    for i, params in enumerate((SamplingParams(max_tokens=2),
-                                SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9))):
-        core.add_request(f"__warmup{i}", ids, params)
-    while core.has_unfinished():
-        core.step()
-    if core.runner.backend.compiles:
-        _warm_compiled(core, ids)
-    core.worker.controller.forget_measurements()
-
-
-def _warm_compiled(core: EngineCore, ids: list[int]) -> None:
-    """Compile every step kind now, not at the first request that needs it: decode and
-    (with a head) verify, each at batch size 1 and >= 2 (cpu_decode.py). Speculation is
-    switched for this (logged, like every switch) and restored (`set_mode` without a
-    threshold keeps the marks)."""
-    controller = core.worker.controller
-    saved = controller.mode
-    for mode in [m for m in ("off", "on") if m in controller.modes]:
-        log_switch(controller.set_mode(mode))
-        for batch in (2, 1):
-            for i in range(batch):
-                # Long enough for whole draft trees (shorter ones run eagerly).
-                core.add_request(f"__warmup_{mode}_{batch}_{i}", ids,
-                                 SamplingParams(max_tokens=24, ignore_eos=True))
-            while core.has_unfinished():
-                core.step()
-    log_switch(controller.set_mode(saved))
 
 
 def log_switch(event: SpecEvent | None) -> None:

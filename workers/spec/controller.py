@@ -228,10 +228,14 @@ class SpecController:
         (bucket.on if speculated else bucket.off).add(num_tokens, step_s)
 
     def forget_measurements(self) -> None:
-        """Drop every bucket's figures (after warm-up, whose steps are not the workload)."""
+        """Drop every bucket's figures and the step and switch counts (after warm-up, whose
+        steps are not the workload: status counts switches from zero); mode, marks and
+        state stay."""
         self.buckets = {}
         self.exploring = 0
         self.load, self.num_recorded = 0.0, 0
+        self.num_steps = self.num_steps_on = self.num_transitions = 0
+        self.last_batch_size = self.steps_in_state = 0
 
     def figures(self, load: float) -> tuple[float, float]:
         """(on, off) measured output tokens/s in the bucket of `load` (a smoothed batch
