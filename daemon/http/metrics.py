@@ -65,8 +65,10 @@ ENGINE_METRICS = {
     "num_requests_failed": ("specd_step_failed_requests", "counter",
                             "Requests ended by the failed steps blamed on them."),
 }
+# vocab_size is the model's, fixed at start-up: a property (status), not a figure to scrape.
 ENGINE_SPECIAL = frozenset({"num_free_kv_blocks", "spec_mode", "accepted_at_depth",
-                            "spec_measured_tok_s"})
+                            "spec_measured_tok_s", "spec_threshold", "spec_resume_at",
+                            "vocab_size"})
 
 
 class _Request(Protocol):
@@ -180,6 +182,13 @@ def engine_families(engine: dict[str, Any]) -> Iterator[Metric]:
                             - engine.get("num_free_kv_blocks", 0))
     yield _state_set("specd_speculation_mode", "The speculation mode (auto chooses per load).",
                      "mode", SPEC_MODES, engine.get("spec_mode", ""))
+    if engine.get("spec_threshold") is not None:  # nil without a draft model
+        yield GaugeMetricFamily("specd_spec_threshold", "auto: speculation stops above this "
+                                "many running requests (the live value).",
+                                value=engine["spec_threshold"])
+        yield GaugeMetricFamily("specd_spec_resume_at", "auto: speculation resumes at this "
+                                "many running requests or fewer.",
+                                value=engine.get("spec_resume_at", 0))
     depth = CounterMetricFamily("specd_spec_accepted_at_depth", "Verifications that accepted "
                                 "the draft token at this depth (1 = the first).",
                                 labels=["depth"])

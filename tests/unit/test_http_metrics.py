@@ -19,6 +19,7 @@ ENGINE = {
     "draft_s": 1.5, "verify_s": 2.5, "catch_up_s": 0.5,
     "spec_measured_tok_s": {"1": [100.0, 80.0], "2-3": [150.0, 0.0]},
     "num_step_failures": 1, "num_requests_failed": 1,
+    "vocab_size": 4096, "spec_threshold": 8, "spec_resume_at": 6,
 }
 STATS = {"engine": ENGINE, "open_requests": 3, "connections": 2,
          "front": {"finished_length": 4, "finished_stop": 1, "error_overloaded": 2,
@@ -71,6 +72,8 @@ def test_the_stats_reply_as_prometheus_text() -> None:
         ("specd_spec_draft_seconds_total", ()): 1.5,
         ("specd_spec_measured_tokens_per_second", (("batch", "2-3"), ("mode", "on"))): 150,
         ("specd_step_failures_total", ()): 1,
+        ("specd_spec_threshold", ()): 8,
+        ("specd_spec_resume_at", ()): 6,
     }
     for key, value in expected.items():
         assert got.get(key) == value, (key, got.get(key))
@@ -109,3 +112,11 @@ def test_latencies_count_one_observation_per_token() -> None:
     assert got[("specd_time_to_first_token_seconds_count", ())] == 2
     assert got[("specd_inter_token_latency_seconds_count", ())] == 4
     assert got[("specd_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 2
+
+
+def test_without_a_draft_model_no_threshold_is_written() -> None:
+    engine = {**ENGINE, "spec_mode": "off", "spec_threshold": None, "spec_resume_at": None}
+    got = samples(Metrics().render({**STATS, "engine": engine}, "ready").decode())
+    assert got[("specd_speculation_mode", (("mode", "off"),))] == 1
+    assert not any(name in ("specd_spec_threshold", "specd_spec_resume_at")
+                   for name, _ in got)
