@@ -68,7 +68,7 @@ ENGINE_METRICS = {
 # vocab_size is the model's, fixed at start-up: a property (status), not a figure to scrape.
 ENGINE_SPECIAL = frozenset({"num_free_kv_blocks", "spec_mode", "accepted_at_depth",
                             "spec_measured_tok_s", "spec_threshold", "spec_resume_at",
-                            "vocab_size"})
+                            "vocab_size", "fallbacks"})
 
 
 class _Request(Protocol):
@@ -189,6 +189,12 @@ def engine_families(engine: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("specd_spec_resume_at", "auto: speculation resumes at this "
                                 "many running requests or fewer.",
                                 value=engine.get("spec_resume_at", 0))
+    fallbacks = GaugeMetricFamily("specd_fallback", "A documented fallback in force (1 while "
+                                  "that part runs degraded, e.g. eagerly; absent when none).",
+                                  labels=["name"])
+    for fallback in sorted(engine.get("fallbacks") or {}):
+        fallbacks.add_metric([fallback], 1)
+    yield fallbacks
     depth = CounterMetricFamily("specd_spec_accepted_at_depth", "Verifications that accepted "
                                 "the draft token at this depth (1 = the first).",
                                 labels=["depth"])

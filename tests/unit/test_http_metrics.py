@@ -120,3 +120,11 @@ def test_without_a_draft_model_no_threshold_is_written() -> None:
     assert got[("specd_speculation_mode", (("mode", "off"),))] == 1
     assert not any(name in ("specd_spec_threshold", "specd_spec_resume_at")
                    for name, _ in got)
+
+
+def test_each_fallback_in_force_is_a_series_to_alert_on() -> None:
+    engine = {**ENGINE, "fallbacks": {"cuda_graphs": "capture failed: RuntimeError"}}
+    got = samples(Metrics().render({**STATS, "engine": engine}, "ready").decode())
+    assert got[("specd_fallback", (("name", "cuda_graphs"),))] == 1
+    got = samples(Metrics().render(STATS, "ready").decode())  # none in force: no series
+    assert not any(name == "specd_fallback" for name, _ in got)
