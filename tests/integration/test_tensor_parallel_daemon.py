@@ -16,10 +16,10 @@ from test_daemon_failures import StreamInThread, _is_dead
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 from specd.ipc import errors
 
-HANG_TIMEOUT_S = 15
+HANG_TIMEOUT_S = 5
 
 
-@pytest.mark.slow  # a daemon whose scheduler starts a second rank and warms both: ~40 s
+@pytest.mark.slow  # a daemon whose scheduler starts a second rank and warms both: 10-40 s
 def test_a_worker_rank_killed_mid_stream_fails_every_request_and_exits_75(
         tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, "--tensor-parallel-size", "2").wait_ready()
@@ -51,7 +51,7 @@ def test_a_stopped_worker_rank_is_caught_by_the_hang_watchdog(tmp_path: Path) ->
     """SIGSTOP of the worker rank: rank 0 waits inside a collective, no step completes, the
     front's hang watchdog kills the scheduler (exit 75, the client told `hung`), and the
     stopped rank dies with it (PR_SET_PDEATHSIG)."""
-    # Not shorter: loading waits on the other rank without progress (workers/stage_watch.py).
+    # Start-up passes under it: the worker's loading beats reach rank 0 as progress.
     daemon = Daemon(tmp_path, "--tensor-parallel-size", "2", "--hang-timeout-s",
                     str(HANG_TIMEOUT_S)).wait_ready()
     try:

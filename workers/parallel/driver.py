@@ -87,17 +87,20 @@ class WorkerGroup:
 
     def wait_for(self, expected: str, timeout_s: float) -> None:
         """Until every worker reports `expected` ("joining": about to join the group,
-        "ready": loaded); RuntimeError with the traceback of one that failed, or naming
-        one that exited or stayed silent for `timeout_s`."""
+        "ready": loaded), reading their `loading` beats meanwhile; RuntimeError with the
+        traceback of one that failed, or naming one that exited or did not get there in
+        `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), 1):
-            while not pipe.poll(0.1):
-                if not process.is_alive():
-                    raise RuntimeError(f"rank {rank} exited with code {process.exitcode} "
-                                       f"before it was {expected}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank} not {expected} after {timeout_s:.0f} s")
-            status, detail = pipe.recv()
+            status = "loading"
+            while status == "loading":
+                while not pipe.poll(0.1):
+                    if not process.is_alive():
+                        raise RuntimeError(f"rank {rank} exited with code {process.exitcode} "
+                                           f"before it was {expected}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"rank {rank} not {expected} after {timeout_s:.0f} s")
+                status, detail = pipe.recv()
             if status != expected:
                 raise RuntimeError(f"rank {rank} failed while starting:\n{detail}")
 

@@ -1,18 +1,23 @@
 """Ranks 1..N-1: one process each, started by rank 0 (driver.py).
 
-A rank joins the process group, loads its shard (parallel/loader.py), reports `ready` (or
-`failed` with the traceback) on its pipe, then serves the calls rank 0 sends on that pipe
-until `stop` or until the pipe closes (rank 0 is gone): the same model call as rank 0, over
-its own shard and its own part of the KV cache, whose outputs it drops (rank 0 takes them).
-Every call is one message (`Call`), serialized by torch so its tensors arrive on this
-rank's device.
+A rank reports `joining`, joins the process group, loads its shard (parallel/loader.py)
+while a thread reports `loading` every second (rank 0 reads those beats, which the
+scheduler's stage watch counts as progress, so a long load is not taken for a hang), then
+reports `ready` (or `failed` with the traceback) on its pipe. It then serves the calls
+rank 0 sends on that pipe until `stop` or until the pipe closes (rank 0 is gone): the same
+model call as rank 0, over its own shard and its own part of the KV cache, whose outputs
+it drops (rank 0 takes them). Every call is one message ((op, args): `encode`), serialized
+by torch so its tensors arrive on this rank's device.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,6 +42,7 @@ from specd.workers.parallel.sharding import shard_model_config
 log = logging.getLogger("specd.parallel")
 
 STORE_HOST = "127.0.0.1"
+HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,16 +84,18 @@ def run_worker(spec: RankSpec, conn: Connection) -> None:
     try:
         device = rank_device(config.device, spec.rank)
         conn.send(("joining", ""))
-        store = dist.TCPStore(STORE_HOST, spec.store_port, world, is_master=False,
-                              timeout=COLLECTIVE_TIMEOUT)
-        init_group(store, spec.rank, world, device)
-        par = ParallelContext(spec.rank, world, config.expert_parallel)
-        model_config = ModelConfig.from_dir(config.model_path)
-        # Imported here: the runner module imports this package's driver.
-        from specd.workers.model_runner import TORCH_DTYPES, linear_factory, resolve_dtype
+        with heartbeats(conn):
+            store = dist.TCPStore(STORE_HOST, spec.store_port, world, is_master=False,
+                                  timeout=COLLECTIVE_TIMEOUT)
+            init_group(store, spec.rank, world, device)
+            par = ParallelContext(spec.rank, world, config.expert_parallel)
+            model_config = ModelConfig.from_dir(config.model_path)
+            # Imported here: the runner module imports this package's driver.
+            from specd.workers.model_runner import TORCH_DTYPES, linear_factory, resolve_dtype
 
-        dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
-        model = load_model_shard(model_config, device, dtype, linear_factory(model_config), par)
+            dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
+            model = load_model_shard(model_config, device, dtype, linear_factory(model_config),
+                                     par)
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         raise
@@ -97,6 +105,25 @@ def run_worker(spec: RankSpec, conn: Connection) -> None:
                    device).serve(conn)
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def heartbeats(conn: Connection) -> Iterator[None]:
+    """While the block runs, send `loading` every HEARTBEAT_S from a thread (stopped and
+    joined before the block's end, so nothing is sent after it)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            conn.send(("loading", ""))
+
+    thread = threading.Thread(target=beat, name="rank-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class RankServer:
