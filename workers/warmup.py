@@ -33,7 +33,7 @@ that warm-up stays cheap (it runs at every start; docs/operations.md has its cos
 
 With overlap scheduling enabled every round runs overlapped (the penalties request makes
 its steps whole while it runs, as in serving). Mode switches made by warm-up itself are
-not logged (they are not the operator's); switches the engine decides in round 4 are, as
+not logged (they are not the operator's); switches the engine decides in round 2 are, as
 always. Afterwards the controller's figures and counts are forgotten and the engine's
 figures reset (`EngineCore.warmup`).
 """
@@ -174,8 +174,9 @@ def _options_round(core: EngineCore, plan: _Plan, ran: list[str]) -> None:
 
 def _switch_round(core: EngineCore, spec: SpeculativeWorker, plan: _Plan,
                   ran: list[str]) -> None:
-    """Round 4 (module docstring); skipped, with a record saying why, where not even a
-    threshold of 1 can be crossed (a single sequence at a time)."""
+    """Round 2 (module docstring); skipped, with a record saying why, where not even a
+    threshold of 1 can be crossed (a single sequence at a time) or `max_model_len` is
+    shorter than the request that lives across both switches."""
     controller = spec.controller
     num_rows = spec.num_draft_tokens  # a verify's rows per sequence
     # Outlives the verifies before the switch off (two, overlapped) and the plain step.
@@ -186,10 +187,11 @@ def _switch_round(core: EngineCore, spec: SpeculativeWorker, plan: _Plan,
     threshold = min(controller.threshold, config.max_num_seqs - 1,
                     (core.runner.num_kv_blocks - blocks_long) // blocks_short,
                     (config.max_num_batched_tokens - num_rows) // SHORT_PROMPT_LEN)
-    if threshold < 1:
+    if threshold < 1 or SHORT_PROMPT_LEN + long_tokens + num_rows >= core.max_model_len:
         log.info("warm-up: the speculation switch is not warmed: this configuration never "
-                 "runs two sequences at once", extra={"event": "warmup_skipped",
-                                                      "round": "switch"})
+                 "runs two sequences at once, or no sequence of %d tokens",
+                 SHORT_PROMPT_LEN + long_tokens + num_rows,
+                 extra={"event": "warmup_skipped", "round": "switch"})
         return
     controller.set_mode("auto", threshold)
     core.add_request(_request_id("switch_long"), plan.prompt(SHORT_PROMPT_LEN, 3),
@@ -281,7 +283,7 @@ def _check(outputs: dict[str, _Output], sampling: dict[str, SamplingParams]) -> 
 
 
 def _chunked_prefill_is_cheap(core: EngineCore) -> bool:
-    """Whether round 5 runs: a prompt longer than the budget fits the model and the KV
+    """Whether round 3 runs: a prompt longer than the budget fits the model and the KV
     cache, and prefilling it costs little (on CUDA, or a small budget)."""
     budget, config = core.config.max_num_batched_tokens, core.config
     fits = (budget + 3 < core.max_model_len

@@ -146,6 +146,20 @@ def test_warm_up_takes_every_path_the_configuration_enables(
         assert (stats.spec_mode, stats.spec_active, stats.spec_threshold) == ("auto", True, 8)
 
 
+@pytest.mark.parametrize("options", [{"max_num_seqs": 1}, {"max_model_len": 24}])
+def test_a_configuration_that_cannot_switch_skips_that_round_saying_so(
+        options: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """One sequence at a time never crosses a threshold; a 24-token limit cannot hold the
+    request that lives across both switches. The rest still runs, and nothing fails."""
+    core = EngineCore(EngineConfig(**BASE, **options))
+    with caplog.at_level("INFO", logger="specd.engine"):
+        core.warmup()
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert "warmup_skipped" in events
+    (done,) = [r for r in caplog.records if getattr(r, "event", None) == "warmup"]
+    assert done.rounds == ["options"]  # type: ignore[attr-defined]  # an `extra` field
+
+
 @pytest.mark.parametrize("label", ["logprobs in a plain step", "logprobs of verified tokens",
                                    "speculation off above the threshold",
                                    "speculation on at the resume mark"])
