@@ -104,7 +104,7 @@ class Control:
 
     def probe(self) -> None:
         """Ask the scheduler for its figures without waiting (the front's idle watchdog: the
-        answer moves `Front.last_heard`; no one reads it)."""
+        answer moves `HealthWatch.last_heard`; no one reads it)."""
         self._next_query_id += 1
         try:
             self.front.scheduler.send(m.QueryStats(self._next_query_id))

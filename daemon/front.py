@@ -24,10 +24,11 @@ from typing import Any
 from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
+from specd.daemon.health_watch import HealthWatch
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import Metrics
 from specd.daemon.http.server import HttpServer
-from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
+from specd.daemon.lifecycle import Lifecycle, State
 from specd.daemon.request_flow import RequestFlow
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
@@ -42,11 +43,6 @@ from specd.tokenizer import Tokenizer
 log = logging.getLogger("specd.front")
 
 TICK_S = 0.1
-PROBE_INTERVAL_S = 5.0  # an idle scheduler is asked for its figures this often (at most)
-# Start-up stages that send heartbeats while they progress (workers/stage_watch.py): silence
-# for the hang timeout there is a hang. Warm-up compiles and captures without them.
-WATCHED_STAGES = ("load",)
-PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive
 EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
 STACK_DUMP_WAIT_S = 0.5
 SHUTDOWN_WAIT_S = 5.0
@@ -75,13 +71,6 @@ class Front:
         self.code_version = provenance.code_version()
         self.ready: m.Ready | None = None
         self.scheduler_stage = "spawn"
-        self.last_progress = time.monotonic()
-        self.last_heard = time.monotonic()  # the scheduler's last message of any kind
-        self.last_probe = 0.0
-        self.was_unresponsive = False  # STATUS said so (and must say serving again)
-        self.last_watchdog = 0.0
-        self.last_extend = time.monotonic()
-        self.is_hung = False
         self.is_stopping = False
         self.exit_code: int | None = None
         self.counters: Counter[str] = Counter(scheduler_restarts=scheduler_restarts)
@@ -89,6 +78,7 @@ class Front:
         self._next_connection_id = 0
         self.requests = RequestFlow(self, tokenizer)
         self.control = Control(self)
+        self.health = HealthWatch(self)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
         self._done = asyncio.Event()
@@ -143,7 +133,7 @@ class Front:
 
     def note_progress(self) -> None:
         """The scheduler moved (or had no work until now): the hang watchdog restarts."""
-        self.last_progress = time.monotonic()
+        self.health.progressed()
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -156,84 +146,16 @@ class Front:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self._check_health(time.monotonic())
-
-    def _check_health(self, now: float) -> None:
-        if self.state is State.STARTING:
-            elapsed = now - self.started
-            stalled_s = now - self.last_progress
-            if (self.scheduler_stage in WATCHED_STAGES and not self.is_hung
-                    and stalled_s > self.config.hang_timeout_s):
-                self.is_hung = True
-                self.spawn(self._on_hang(f"no progress for {stalled_s:.1f} s in stage "
-                                         f"{self.scheduler_stage}"))
-            elif elapsed > self.config.startup_timeout_s:
-                self._fail(EXIT_SCHEDULER_FAILED,
-                           f"scheduler sent no Ready within {self.config.startup_timeout_s:g} s "
-                           f"(stage {self.scheduler_stage})")
-            elif now - self.last_extend > STARTUP_EXTEND_S / 3:
-                self.last_extend = now
-                self.lifecycle.still_starting(f"scheduler: {self.scheduler_stage}", elapsed)
-            return
-        if self.state is State.FAILED:
-            return
-        # Busy, a hang is no step output; idle, no answer to the probes (an idle scheduler
-        # blocks on its inbox, so only a question shows that it still could answer).
-        is_busy = self.table.num_submitted > 0
-        stalled_s = now - (self.last_progress if is_busy else self.last_heard)
-        is_stalled = stalled_s > self.config.hang_timeout_s
-        if not is_busy:
-            self._probe_if_quiet(now)
-        self._report_responsiveness()
-        if is_stalled and not self.is_hung:
-            self.is_hung = True
-            self.spawn(self._on_hang(
-                f"no progress for {stalled_s:.1f} s with {len(self.table)} open requests"
-                if is_busy else f"no answer for {stalled_s:.1f} s while idle"))
-        interval = self.lifecycle.watchdog_interval
-        if interval is not None and now - self.last_watchdog >= interval:
-            self.last_watchdog = now
-            self.lifecycle.alive(not is_stalled, self._summary())
-
-    def _probe_if_quiet(self, now: float) -> None:
-        """Ask the idle scheduler for its figures when it has been quiet for a probe
-        interval (a third of the hang timeout, at most PROBE_INTERVAL_S); its answer, like
-        any message, moves `last_heard`."""
-        interval = min(PROBE_INTERVAL_S, self.config.hang_timeout_s / 3)
-        if now - max(self.last_heard, self.last_probe) >= interval:
-            self.last_probe = now
-            self.control.probe()
-
-    def _report_responsiveness(self) -> None:
-        """STATUS=unresponsive while the scheduler owes an answer, serving again after."""
-        if self.state is not State.READY:
-            return
-        if self.is_unresponsive:
-            self.was_unresponsive = True
-            self.lifecycle.unresponsive(f"the scheduler did not answer; process "
-                                        f"{self.scheduler.pid} is "
-                                        f"{self.scheduler.process_state()}")
-        elif self.was_unresponsive:
-            self.was_unresponsive = False
-            self.lifecycle.serving(self._summary())
+            self.health.check(time.monotonic())
 
     @property
     def reported_state(self) -> str:
         """The state status and /health report: the lifecycle's, or `unresponsive` while
         the scheduler owes an answer (the hang watchdog fails the daemon if it stays so)."""
-        return "unresponsive" if self.is_unresponsive else self.state.value
+        return "unresponsive" if self.health.is_unresponsive else self.state.value
 
-    @property
-    def is_unresponsive(self) -> bool:
-        """The scheduler owes an answer: a probe went unanswered for a probe interval, or
-        its process is stopped (SIGSTOP, a debugger). Status then reports `unresponsive`."""
-        if self.state not in (State.READY, State.DRAINING):
-            return False
-        now = time.monotonic()
-        unanswered = self.last_probe > self.last_heard and now - self.last_probe > PROBE_ANSWER_S
-        return unanswered or self.scheduler.is_stopped
-
-    def _summary(self) -> str:
+    def summary(self) -> str:
+        """One line for systemd's STATUS: open requests and connections."""
         return f"{len(self.table)} open requests, {len(self.connections)} connections"
 
     def begin_drain(self, timeout_s: float, reason: str) -> None:
@@ -296,7 +218,7 @@ class Front:
         log_event(log, logging.INFO, "stopped", "daemon stopped", scheduler_returncode=returncode)
         self._finish_run(EXIT_OK)
 
-    def _fail(self, code: int, cause: str, traceback: str | None = None) -> None:
+    def fail(self, code: int, cause: str, traceback: str | None = None) -> None:
         """The scheduler is gone or useless: error every open request, log once, exit."""
         if self.state is State.FAILED or self.is_stopping:
             return
@@ -311,12 +233,12 @@ class Front:
         self.scheduler.kill()
         self._finish_run(code)
 
-    async def _on_hang(self, what: str) -> None:
+    async def on_hang(self, what: str) -> None:
         """Dump the scheduler's stacks (faulthandler, SIGUSR1), then fail with them (75)."""
         self.scheduler.request_stack_dump()
         await asyncio.sleep(STACK_DUMP_WAIT_S)
         stacks = self.scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
-        self._fail(EXIT_SCHEDULER_FAILED,
+        self.fail(EXIT_SCHEDULER_FAILED,
                    f"scheduler hung: {what}; process {self.scheduler.pid} is "
                    f"{self.scheduler.process_state()}", traceback=stacks)
 
@@ -333,7 +255,7 @@ class Front:
             how = f"killed by {signal.Signals(-returncode).name}"
         else:
             how = f"exited with status {returncode}"
-        self._fail(EXIT_SCHEDULER_FAILED, f"scheduler process {self.scheduler.pid} {how} "
+        self.fail(EXIT_SCHEDULER_FAILED, f"scheduler process {self.scheduler.pid} {how} "
                    f"(stage {self.scheduler_stage if self.state is State.STARTING else 'loop'})")
 
     # ---- scheduler -> front ------------------------------------------------------------
@@ -341,12 +263,12 @@ class Front:
     async def _pump(self) -> None:
         while True:
             message = await self.scheduler.receive()
-            self.last_heard = time.monotonic()
+            self.health.heard()
             try:
                 self._on_scheduler_message(message)
             except Exception as exc:  # noqa: BLE001 - a front bug: report it and exit
                 log.exception("front failed handling %s", type(message).__name__)
-                self._fail(EXIT_SOFTWARE, f"front error: {exc!r}")
+                self.fail(EXIT_SOFTWARE, f"front error: {exc!r}")
 
     def _on_scheduler_message(self, message: m.FromScheduler) -> None:
         if isinstance(message, m.StepOutput):
@@ -374,7 +296,7 @@ class Front:
         elif isinstance(message, m.SchedulerFailed):
             # Before Ready the scheduler tells a code bug (70) from bad configuration (78).
             code = message.exit_code if self.state is State.STARTING else EXIT_SCHEDULER_FAILED
-            self._fail(code, f"scheduler failed in stage {message.stage}: {message.error}",
+            self.fail(code, f"scheduler failed in stage {message.stage}: {message.error}",
                        traceback=message.traceback)
         elif isinstance(message, m.Stopped):
             log_event(log, logging.INFO, "scheduler_stopped", "scheduler stopped")
@@ -383,14 +305,14 @@ class Front:
         """The scheduler imported other code than the front (exit 78, before it loads)."""
         files = provenance.differing_files(provenance.file_digests(), stage.file_digests)
         shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-        self._fail(EXIT_CONFIG, f"scheduler code version {stage.code_version} (from "
+        self.fail(EXIT_CONFIG, f"scheduler code version {stage.code_version} (from "
                    f"{stage.source_root}) differs from the front's {self.code_version} (from "
                    f"{provenance.package_dirs()['specd']}): a stale or mixed installation; "
                    f"files that differ: {shown}; reinstall specd and restart")
 
     def _on_ready(self, ready: m.Ready) -> None:
         if ready.code_version != self.code_version:
-            self._fail(EXIT_CONFIG, f"scheduler code version {ready.code_version} differs from "
+            self.fail(EXIT_CONFIG, f"scheduler code version {ready.code_version} differs from "
                        f"the front's {self.code_version}: a stale or mixed installation "
                        f"(scheduler modules: {ready.modules.get('specd')})")
             return
