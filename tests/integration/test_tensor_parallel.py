@@ -42,9 +42,9 @@ def generate(model: str, device: str = "cpu", **options: Any) -> tuple[list[list
     driver = core.runner.driver
     processes = [] if driver is None else driver.workers.processes
     assert len(processes) == core.config.tensor_parallel_size - 1
-    assert core.resolved.ranks == (() if driver is None else (
-        f"rank 0 pid {os.getpid()} on {rank_device(device, 0)}",
-        f"rank 1 pid {processes[0].pid} on {rank_device(device, 1)}"))
+    pids = [os.getpid()] + [p.pid for p in processes]
+    assert core.resolved.ranks == (() if driver is None else tuple(
+        f"rank {r} pid {pid} on {rank_device(device, r)}" for r, pid in enumerate(pids)))
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for i, ids in enumerate(PROMPTS):
@@ -81,6 +81,15 @@ def test_size_two_with_speculation_keeps_the_tokens_and_accepts_drafts(
         model: str, single_rank: dict[str, Any]) -> None:
     tokens, accepted = generate(model, spec_mode="on", tensor_parallel_size=2)
     assert tokens == single_rank[model]
+    assert accepted > 0
+
+
+def test_size_four_replicates_kv_heads_and_keeps_the_tokens(
+        single_rank: dict[str, Any]) -> None:
+    """The dense fixture's 2 K/V heads over 4 ranks: each rank holds one query head and the
+    K/V head it shares with its neighbour (speculation on, so verify runs over them too)."""
+    tokens, accepted = generate("fixture", spec_mode="on", tensor_parallel_size=4)
+    assert tokens == single_rank["fixture"]
     assert accepted > 0
 
 

@@ -5,6 +5,7 @@ ranks' partial MoE outputs add up to the whole MoE's."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -73,10 +74,27 @@ def test_a_size_that_does_not_divide_a_dimension_is_refused_by_name() -> None:
     cfg = ModelConfig.from_dir(FIXTURE_DIR)  # 4 heads, 2 KV heads
     local = shard_model_config(cfg, ParallelContext(0, 2))
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 344)
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        shard_model_config(cfg, ParallelContext(0, 4))
     with pytest.raises(ValueError, match="num_attention_heads"):
         shard_model_config(cfg, ParallelContext(0, 3))
+    # 12 heads over 4 ranks divide, 3 K/V heads neither divide 4 nor are divided by it.
+    odd = dataclasses.replace(cfg, num_heads=12, num_kv_heads=3)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        shard_model_config(odd, ParallelContext(0, 4))
+
+
+def test_with_more_ranks_than_kv_heads_each_rank_holds_the_head_its_queries_share() -> None:
+    """4 ranks, 4 query heads, 2 K/V heads: rank r holds query head r and K/V head r // 2
+    (query heads 0-1 share K/V head 0, 2-3 head 1)."""
+    cfg = ModelConfig.from_dir(FIXTURE_DIR)
+    assert shard_model_config(cfg, ParallelContext(3, 4)).num_kv_heads == 1
+    d = cfg.head_dim
+    for rank, head in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        par = ParallelContext(rank, 4)
+        for proj in ("k_proj", "v_proj"):
+            assert tensor_slice(f"model.layers.0.self_attn.{proj}.weight", [2 * d, 256], cfg,
+                                par) == TensorSlice(0, head * d, d)
+        assert tensor_slice("model.layers.0.self_attn.q_proj.weight", [4 * d, 256], cfg,
+                            par) == TensorSlice(0, rank * d, d)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

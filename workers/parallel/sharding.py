@@ -3,7 +3,9 @@
 The layout is vLLM's and SGLang's (../shared/notes/mla_moe_tp.md §4):
 
 * column-parallel (output rows split, whole heads per rank): q/k/v, gate/up, MLA's q_b_proj
-  (or q_proj) and kv_b_proj, the embedding and lm_head (vocabulary ranges);
+  (or q_proj) and kv_b_proj, the embedding and lm_head (vocabulary ranges); with fewer K/V
+  heads than ranks (N a multiple of them) each rank holds the one K/V head its query heads
+  share, replicated on N / num_kv_heads ranks, as vLLM does;
 * row-parallel (input columns split; the block's output is all-reduced): o_proj, down_proj;
   a row-parallel bias is added once, by rank 0 (the others hold zeros);
 * replicated: norms, MLA's q_a_proj and kv_a_proj_with_mqa, the router;
@@ -57,8 +59,12 @@ def shard_model_config(cfg: ModelConfig, par: ParallelContext) -> ModelConfig:
     if not par.is_parallel:
         return cfg
     heads = par.split(cfg.num_heads, "num_attention_heads")[1]
-    kv_heads = (cfg.num_kv_heads if cfg.mla is not None
-                else par.split(cfg.num_kv_heads, "num_key_value_heads")[1])
+    if cfg.mla is not None:
+        kv_heads = cfg.num_kv_heads  # nominal: MLA's latent cache has no K/V heads
+    elif replicates_kv_heads(cfg, par):
+        kv_heads = 1
+    else:
+        kv_heads = par.split(cfg.num_kv_heads, "num_key_value_heads")[1]
     par.split(cfg.vocab_size, "vocab_size")
     moe = cfg.moe
     if moe is not None and par.expert_parallel:
@@ -70,6 +76,17 @@ def shard_model_config(cfg: ModelConfig, par: ParallelContext) -> ModelConfig:
     return replace(cfg, num_heads=heads, num_kv_heads=kv_heads,
                    intermediate_size=par.split(cfg.intermediate_size, "intermediate_size")[1],
                    moe=moe)
+
+
+def replicates_kv_heads(cfg: ModelConfig, par: ParallelContext) -> bool:
+    """Whether a dense model has fewer K/V heads than ranks, each rank then holding one
+    (ValueError naming the field unless the ranks are a multiple of the K/V heads)."""
+    if cfg.mla is not None or cfg.num_kv_heads >= par.world_size:
+        return False
+    if par.world_size % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {par.world_size} is neither a divisor nor a "
+                         f"multiple of num_key_value_heads ({cfg.num_kv_heads})")
+    return True
 
 
 def local_experts(num_experts: int, par: ParallelContext) -> range:
@@ -93,6 +110,12 @@ def tensor_slice(name: str, shape: list[int], cfg: ModelConfig,
             skip=True)
     module, _, leaf = name.rpartition(".")
     kind = module.rpartition(".")[2]
+    if kind in ("k_proj", "v_proj") and replicates_kv_heads(cfg, par):
+        # The K/V head of this rank's query heads (each rank's query heads share one).
+        head = par.rank * cfg.num_kv_heads // par.world_size
+        if leaf == "weight_shape":
+            return WHOLE  # rewritten by `local_weight_shape`
+        return TensorSlice(dim=0, start=head * cfg.head_dim, length=cfg.head_dim)
     if kind in COLUMN_MODULES:
         dim = 0
     elif kind in ROW_MODULES:
