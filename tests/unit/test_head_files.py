@@ -110,3 +110,16 @@ def test_no_weights_names_the_layouts_looked_for(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         read_head_tensors(tmp_path)
     assert all(name in str(info.value) for name in WEIGHT_FILES)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_truncated_weights_file_is_refused_naming_the_file(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    if name.endswith(".safetensors"):
+        save_file(TENSORS, str(path))
+    else:
+        torch.save(TENSORS, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{path}: unreadable.*truncated or corrupt"):
+        read_head_tensors(tmp_path)

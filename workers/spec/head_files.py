@@ -23,6 +23,7 @@ import pickle
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -45,7 +46,8 @@ def read_head_tensors(root: Path, device: str | torch.device = "cpu",
                       ) -> tuple[dict[str, torch.Tensor], Path]:
     """(every tensor by its stored name, the file read) for the head in `root`.
 
-    ValueError naming the file for an index that does not parse or names a shard outside
+    ValueError naming the file for a truncated or corrupt weights file, an index that does
+    not parse or names a shard outside
     `root` (FileNotFoundError for a shard that is absent), a shard missing a tensor its
     index lists, a pickle that `weights_only` refuses or that is not a name -> tensor dict.
     """
@@ -57,13 +59,20 @@ def read_head_tensors(root: Path, device: str | torch.device = "cpu",
 
 def _read_file(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
     if path.name.endswith(".safetensors"):
-        return load_file(str(path), device=str(device))
+        try:
+            return load_file(str(path), device=str(device))
+        except SafetensorError as e:  # the target's loader words it the same way
+            raise ValueError(f"{path}: unreadable safetensors file, truncated or corrupt "
+                             f"({e})") from e
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).splitlines()[0]
         raise ValueError(f"{path}: cannot be read with torch.load(weights_only=True): "
                          f"{reason}") from e
+    except (RuntimeError, EOFError) as e:  # a truncated zip or pickle stream
+        reason = str(e).splitlines()[0]
+        raise ValueError(f"{path}: unreadable, truncated or corrupt ({reason})") from e
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise ValueError(f"{path}: not a state dict of named tensors")
