@@ -236,8 +236,8 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
     local_config = shard_model_config(model_config, par)  # a size that does not divide raises
     workers = WorkerGroup(config)
     try:
-        # Rank 0 loads while the workers start (loading needs no process group), so the
-        # waits below, in which rank 0 shows no progress to the hang watchdog, are short.
+        # Rank 0 loads while the workers start (loading needs no process group); in the
+        # waits below it reads the workers' beats, which the stage watch sees as progress.
         local = load_model_shard(model_config, device, dtype, make_linear, par)
         # A worker that fails to start (an import) is seen here, not as a group that
         # never completes.
