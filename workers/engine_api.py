@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from types import TracebackType
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
@@ -29,6 +30,11 @@ class Engine:
 
     `model=None` serves the embedded fixture model; option names are EngineConfig fields,
     which match the daemon's CLI flags.
+
+    With `tensor_parallel_size` > 1 the engine starts a worker process per extra rank,
+    which lives until `close()` (or the end of a `with Engine(...) as engine:` block) stops
+    it, or until this process exits. `close()` may be called more than once; after it,
+    `generate` and `stream` raise RuntimeError.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -47,6 +53,21 @@ class Engine:
                              self.config.model_path)
         self.core = EngineCore(self.config)
         self._next_id = 0
+        self.is_closed = False
+
+    def close(self) -> None:
+        """Stop the worker ranks (tensor parallelism; nothing to stop in one process) and
+        wait for them to exit. Idempotent."""
+        if not self.is_closed:
+            self.is_closed = True
+            self.core.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -60,6 +81,8 @@ class Engine:
         return list(prompt)
 
     def _add(self, prompt: str | list[int], sampling: SamplingParams) -> tuple[str, list[int]]:
+        if self.is_closed:
+            raise RuntimeError("the engine is closed")
         request_id = f"req-{self._next_id}"
         self._next_id += 1
         ids = self._prompt_ids(prompt)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from heldout import heldout_prompt_ids
 
+from specd import Engine
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine import EngineCore
@@ -177,3 +178,23 @@ def test_each_rank_sizes_its_kv_cache_by_its_own_heads() -> None:
             (2, core.runner.num_kv_blocks, config.block_size, 1, full.head_dim)]
     finally:
         core.close()
+
+
+def test_engine_close_stops_its_worker_ranks(single_rank: dict[str, Any]) -> None:
+    """`specd.Engine` as a context manager: its worker rank serves while the block runs and
+    has exited cleanly when it ends; a second close is a no-op and a closed engine refuses
+    to generate."""
+    torch.set_num_threads(1)
+    with Engine("fixture", device="cpu", dtype="float32", speculative_algorithm=None,
+                tensor_parallel_size=2) as engine:
+        driver = engine.core.runner.driver
+        assert driver is not None
+        (rank1,) = driver.workers.processes
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True))
+        assert [o.token_ids for o in outputs] == single_rank["fixture"]
+        assert rank1.is_alive()
+    assert rank1.exitcode == 0
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(PROMPTS[:1])
