@@ -14,9 +14,11 @@ workers/moe.py, workers/quantization.py, workers/spec/draft_model.py), per rank:
 * MLA's absorbed W_UK / W_UV: a second copy of kv_b_proj's local heads (buffers);
 * tensor parallel, as workers/parallel/sharding.py splits the model: q and dense KV heads,
   MLP widths and each expert's width split N ways (every split dimension divisible by N,
-  INT4 splits along whole groups); q_a_proj, kv_a_proj_with_mqa, norms, row-parallel biases
-  (zeros off rank 0) and the router whole on every rank; embedding and lm_head split by
-  vocabulary rows; with expert parallelism, E / N whole routed experts per rank instead;
+  INT4 splits along whole groups; with fewer KV heads than ranks, N a multiple of them, each
+  rank holds the one KV head its q heads share); q_a_proj, kv_a_proj_with_mqa, norms,
+  row-parallel biases (zeros off rank 0) and the router whole on every rank; embedding and
+  lm_head split by vocabulary rows; with expert parallelism, E / N whole routed experts per
+  rank instead;
 * the EAGLE-3 head whole on rank 0, the only rank that runs it; it shares the target's
   embedding when its checkpoint has none, which under N > 1 is a copy of the whole
   embedding (rank 0's target holds only its vocabulary range: ModelRunner.draft_embedding_weight).

@@ -153,7 +153,7 @@ def check_split(cfg: ModelConfig, options: PlanOptions) -> None:
 
     need(cfg.num_heads, "num_attention_heads")
     if cfg.mla is None:
-        need(cfg.num_kv_heads, "num_key_value_heads", " (K/V heads are split, never copied)")
+        local_kv_heads(cfg, n)
     need(cfg.vocab_size, "vocab_size", " (the embedding and lm_head are split by rows)")
     need(cfg.intermediate_size, "intermediate_size")
     moe = cfg.moe
@@ -168,6 +168,29 @@ def check_split(cfg: ModelConfig, options: PlanOptions) -> None:
                  " (each routed expert's width is split)")
     if options.expert_parallel and moe is None:
         raise ValueError(f"expert parallelism needs routed experts; {cfg.architecture} has none")
+
+
+def local_kv_heads(cfg: ModelConfig, n: int) -> int:
+    """The K/V heads one of `n` ranks holds of a dense model: num_key_value_heads / n when
+    n divides them, else 1 when n is a multiple of them (each K/V head then shared by the
+    n / num_key_value_heads ranks whose query heads use it: parallel/sharding.py
+    `replicates_kv_heads`, which the plan tests hold this to); ValueError otherwise."""
+    kv = cfg.num_kv_heads
+    if kv % n == 0:
+        return kv // n
+    if n % kv == 0:
+        return 1
+    raise ValueError(f"num_key_value_heads ({kv}) is neither divisible by the tensor-parallel "
+                     f"size {n} nor a divisor of it (a rank holds whole K/V heads, or one "
+                     f"that N / num_key_value_heads ranks share)")
+
+
+def _kv_heads_placement(cfg: ModelConfig, n: int) -> str:
+    """How a dense model's K/V heads lie on the ranks, in words."""
+    if cfg.num_kv_heads % n == 0:
+        return f"{local_kv_heads(cfg, n)} of {cfg.num_kv_heads} KV heads per layer on each rank"
+    return (f"1 of {cfg.num_kv_heads} KV heads per layer on each rank, each on "
+            f"{n // cfg.num_kv_heads} ranks")
 
 
 def target_parts(cfg: ModelConfig, quantization_config: Mapping[str, Any] | None,
@@ -206,16 +229,20 @@ def _kv_per_token(cfg: ModelConfig, tally: _Tally) -> tuple[int, str]:
         return (cfg.num_layers * size * tally.dt,
                 f"MLA latent [{cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim}] per layer, "
                 + tally.whole)
-    kv_local = cfg.num_kv_heads // tally.n
+    kv_local = local_kv_heads(cfg, tally.n)
     return (2 * cfg.num_layers * kv_local * cfg.head_dim * tally.dt,
-            f"K and V of {kv_local} of {cfg.num_kv_heads} KV heads per layer on each rank")
+            f"K and V of {_kv_heads_placement(cfg, tally.n)}")
 
 
 def _dense_attention(cfg: ModelConfig, i: int, tally: _Tally) -> None:
     n, h, d = tally.n, cfg.hidden_size, cfg.head_dim
-    heads, kv = cfg.num_heads // n, cfg.num_kv_heads // n
+    heads, kv = cfg.num_heads // n, local_kv_heads(cfg, n)
     where = f"model.layers.{i}.self_attn"
-    placement = f"q and KV heads split {n} ways" if n > 1 else "whole"
+    placement = "whole"
+    if n > 1 and cfg.num_kv_heads % n:
+        placement = f"q heads split {n} ways, each KV head on {n // cfg.num_kv_heads} ranks"
+    elif n > 1:
+        placement = f"q and KV heads split {n} ways"
     qkv_out = (heads + 2 * kv) * d
     tally.linear("attention", placement, tuple(f"{where}.{x}_proj" for x in "qkv"), h, qkv_out,
                  qkv_out if cfg.qkv_bias else 0)

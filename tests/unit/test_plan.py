@@ -338,8 +338,8 @@ def test_two_ranks_halve_the_split_weights_and_keep_the_replicated_ones() -> Non
 
 
 @pytest.mark.parametrize(("model", "n", "expert_parallel"), [
-    ("fixture", 2, False), ("fixture-moe", 2, False), ("fixture-moe", 2, True),
-    ("fixture-moe", 4, True)])
+    ("fixture", 2, False), ("fixture", 4, False), ("fixture-moe", 2, False),
+    ("fixture-moe", 2, True), ("fixture-moe", 4, True)])
 def test_plan_equals_the_shard_rank_zero_loads(model: str, n: int,
                                                expert_parallel: bool) -> None:
     """workers/parallel's loader reads rank 0's slices in this process (no process group)."""
@@ -432,12 +432,31 @@ def test_a_directory_without_config_json_is_a_usage_error_naming_the_file(
     assert f"{tmp_path / 'config.json'}: not found" in result.output
 
 
-def test_ranks_that_do_not_divide_the_kv_heads_are_refused_naming_them() -> None:
-    # The fixture has 4 q heads and 2 KV heads; the engine splits K/V heads, never copies.
+def test_more_ranks_than_kv_heads_share_each_kv_head_as_the_engine_does() -> None:
+    # The fixture has 4 q heads and 2 KV heads: at 4 ranks each holds one q head and the
+    # KV head it uses, each KV head on 2 ranks (the bytes: the rank-0 shard test above).
+    one, four = _plan("fixture", dtype="float32"), _plan("fixture", dtype="float32",
+                                                        tensor_parallel_size=4)
+    assert four.kv_bytes_per_token * 2 == one.kv_bytes_per_token
     result = _run("fixture", "-tp", "4", "--gpu-memory-gib", "80")
+    assert result.exit_code == 0, result.output
+    assert "q heads split 4 ways, each KV head on 2 ranks" in result.output
+    assert "K and V of 1 of 2 KV heads per layer on each rank, each on 2 ranks" in result.output
+
+
+def test_ranks_neither_dividing_nor_a_multiple_of_the_kv_heads_are_refused(
+        tmp_path: Path) -> None:
+    config = {**json.loads((FIXTURE_DIR / "config.json").read_text()),
+              "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 16}
+    message = "num_key_value_heads (4) is neither divisible by the tensor-parallel size 6"
+    result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "6",
+                  "--gpu-memory-gib", "80")
     assert result.exit_code == 2
-    assert "num_key_value_heads (2) is not divisible by the tensor-parallel size 4" in \
-        result.output
+    assert message in result.output
+    cfg = ModelConfig.from_dir(tmp_path / "m")
+    with pytest.raises(ValueError, match="neither a divisor nor a multiple of "
+                                         r"num_key_value_heads \(4\)"):
+        shard_model_config(cfg, ParallelContext(0, 6))
 
 
 def test_ranks_that_do_not_divide_the_heads_are_refused_naming_them() -> None:
