@@ -67,6 +67,8 @@ class WarmUpFailed(AssertionError):
 
 @dataclass(frozen=True)
 class WarmRequest:
+    """One warm-up request; its engine id is `__warmup_<name>`."""
+
     name: str
     prompt: list[int]
     sampling: SamplingParams
@@ -74,6 +76,8 @@ class WarmRequest:
 
 @dataclass
 class _Output:
+    """What a warm-up request produced so far (from its deltas)."""
+
     token_ids: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)  # top alternatives per token
     finish_reason: str | None = None
@@ -108,15 +112,14 @@ def warm_up(core: EngineCore) -> None:
     t0 = time.perf_counter()
     plan = _Plan(core.model_config.vocab_size, core.config.block_size, core.max_model_len)
     spec = core.spec
-    controller = None if spec is None else spec.controller
     ran: list[str] = []
-    if controller is not None:
-        saved = (controller.mode, controller.threshold, controller.resume_at)
-        controller.set_mode("on")  # warm-up's own switches are not logged
+    if spec is not None:
+        saved = (spec.controller.mode, spec.controller.threshold, spec.controller.resume_at)
+        spec.controller.set_mode("on")  # warm-up's own switches are not logged
     _options_round(core, plan, ran)
-    if spec is not None and controller is not None:
+    if spec is not None:
         _switch_round(core, spec, plan, ran)
-        controller.set_mode(*saved)
+        spec.controller.set_mode(*saved)
     if _chunked_prefill_is_cheap(core):
         budget = core.config.max_num_batched_tokens
         _run(core, [WarmRequest("chunked", plan.prompt(budget + 1, 5), SamplingParams(
