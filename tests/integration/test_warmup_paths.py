@@ -160,9 +160,15 @@ def test_a_configuration_that_cannot_switch_skips_that_round_saying_so(
     assert done.rounds == ["options"]  # type: ignore[attr-defined]  # an `extra` field
 
 
-@pytest.mark.parametrize("label", ["logprobs in a plain step", "logprobs of verified tokens",
-                                   "speculation off above the threshold",
-                                   "speculation on at the resume mark"])
+# The incident's paths run in the quick tier; every other path of the default configuration
+# in the slow one (about 3 s each: an engine per path).
+INCIDENT_PATHS = ["logprobs in a plain step", "logprobs of verified tokens",
+                  "speculation off above the threshold", "speculation on at the resume mark"]
+OTHER_PATHS = sorted(CONFIGS["speculative"][1] - set(INCIDENT_PATHS))
+
+
+@pytest.mark.parametrize("label", [*INCIDENT_PATHS, *(
+    pytest.param(label, marks=pytest.mark.slow) for label in OTHER_PATHS)])
 def test_a_path_broken_on_first_use_fails_warm_up_with_its_own_exception(
         label: str, monkeypatch: pytest.MonkeyPatch) -> None:
     core = EngineCore(EngineConfig(**BASE))
