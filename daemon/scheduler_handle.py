@@ -45,6 +45,18 @@ PROCESS_STATES = {
 }
 
 
+def process_state(pid: int) -> str:
+    """What the kernel says process `pid` is doing (/proc/PID/stat), in words: "running",
+    "stopped (state T: SIGSTOP or SIGTSTP)", ... or "gone" when there is no such process
+    (here: it exited, or lives in another PID namespace)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    code = stat[stat.rindex(")") + 2]  # the field after the command name, which may hold ")"
+    return PROCESS_STATES.get(code, f"in state {code}")
+
+
 class SchedulerHandle:
     """A running scheduler process and the two sockets that reach it."""
 
@@ -96,12 +108,7 @@ class SchedulerHandle:
     def process_state(self) -> str:
         """What the kernel says the process is doing (/proc/PID/stat), in words: "running",
         "stopped (state T: SIGSTOP or SIGTSTP)", ... or "gone" once it exited."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return "gone"
-        code = stat[stat.rindex(")") + 2]  # the field after the command name, which may hold ")"
-        return PROCESS_STATES.get(code, f"in state {code}")
+        return process_state(self.pid)
 
     @property
     def is_stopped(self) -> bool:

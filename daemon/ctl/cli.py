@@ -288,13 +288,16 @@ def _report_ack(settings: Settings, message: str) -> None:
 
 @cli.command()
 @_json_option
+@click.option("--log", "log_file", type=click.File("r"), default=None,
+              help="the daemon's JSON log (- for stdin): report the last failure in it")
 @click.pass_context
-def doctor(ctx: click.Context, as_json: bool) -> None:
+def doctor(ctx: click.Context, as_json: bool, log_file: Any) -> None:
     """Checks to run first when something is wrong; each prints ok or what to do."""
     from specd.daemon.ctl.doctor import run_checks
 
     settings = _settings(ctx, as_json)
-    results = run_checks(settings.socket_path, settings.timeout)
+    results = run_checks(settings.socket_path, settings.timeout,
+                         None if log_file is None else log_file.read().splitlines())
     if settings.as_json:
         _emit_json([msgspec.structs.asdict(r) for r in results])
     else:

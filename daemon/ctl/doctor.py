@@ -2,11 +2,14 @@
 
 Each check returns ok or the problem with what to do. Checks that need the daemon are
 reported as failed (with the reason) when it cannot be reached; local checks still run.
+A tensor-parallel daemon's ranks, and the failure a run left in a log passed with `--log`,
+are checked by doctor_ranks.py.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,8 @@ def check_local_install() -> CheckResult:
 def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
     if status is None:
         return CheckResult("daemon", False, error, "start it (specd or systemctl start specd) "
-                           "and check --socket / $SPECD_SOCKET")
+                           "and check --socket / $SPECD_SOCKET; why a run ended: "
+                           "journalctl -u specd -o cat | specctl doctor --log -")
     ok = status.state == "ready"
     engine = status.engine
     silent = (f"; {engine['error']}, process {engine.get('scheduler_pid')} is "
@@ -164,7 +168,12 @@ def check_config(status: StatusReply) -> CheckResult:
     return CheckResult("config", True, f"{shown}; resolved {status.resolved}")
 
 
-def run_checks(socket_path: Path | None, timeout: float) -> list[CheckResult]:
+def run_checks(socket_path: Path | None, timeout: float,
+               log_lines: Iterable[str] | None = None) -> list[CheckResult]:
+    """Every check in order; `log_lines`: the daemon's log, for the last failure in it."""
+    # Imported here: doctor_ranks builds this module's CheckResult.
+    from specd.daemon.ctl.doctor_ranks import check_last_failure, check_ranks, read_records
+
     results = [check_local_install()]
     status: StatusReply | None = None
     error = ""
@@ -180,10 +189,18 @@ def run_checks(socket_path: Path | None, timeout: float) -> list[CheckResult]:
         results.append(check_config(status))
         if status.engine and "error" not in status.engine:  # the scheduler's own figures
             results.append(check_fallbacks(status))
-        if status.state == "ready":
+        ranks = check_ranks(status)
+        if ranks is not None:
+            results.append(ranks)
+        if status.state == "ready" and (ranks is None or ranks.ok):
             results.append(check_generation(client))
+        elif ranks is not None and not ranks.ok:
+            results.append(CheckResult("generation", False, "not tried: a rank is down (a "
+                                       "step would wait for it, or fail the daemon)"))
     if client is not None:
         client.close()
+    if log_lines is not None:
+        results.append(check_last_failure(read_records(log_lines)))
     results.append(check_device())
     results.append(check_kernels())
     return results

@@ -1,6 +1,9 @@
 """The daemon at tensor-parallel size 2 on the CPU: it serves; SIGKILL of the worker rank
 mid-stream gives every client an error frame (`scheduler_unavailable`) and ends specd with
-exit 75 within 10 s, leaving no rank behind; SIGSTOP of it is caught by the hang watchdog."""
+exit 75 within 10 s, leaving no rank behind; SIGSTOP of it is caught by the hang watchdog.
+`specctl doctor` lists the ranks and their devices, fails naming a stopped rank (without
+trying a generation, which would wait for it), and reads the killed rank from the log the
+failed run left (`--log`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon
 from test_daemon_failures import StreamInThread, _is_dead
+from test_scheduler_watch import specctl
 
+from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 from specd.ipc import errors
 
@@ -26,9 +31,12 @@ def test_a_worker_rank_killed_mid_stream_fails_every_request_and_exits_75(
     try:
         (ready,) = daemon.events("tensor_parallel_ready")
         (worker_pid,) = ready["worker_pids"]
+        ranks = [f"rank 0 pid {daemon.scheduler_pid} on cpu", f"rank 1 pid {worker_pid} on cpu"]
         with daemon.client() as client:  # specctl status shows the ranks
-            assert client.status().resolved["ranks"] == [
-                f"rank 0 pid {daemon.scheduler_pid} on cpu", f"rank 1 pid {worker_pid} on cpu"]
+            assert client.status().resolved["ranks"] == ranks
+        doctor = specctl(daemon, "doctor")  # (its install check depends on the checkout)
+        assert f"\nok    ranks: {ranks[0]}: " in doctor.stdout
+        assert f"; {ranks[1]}: sleeping\nok    generation: one token" in doctor.stdout
         streams = [StreamInThread(daemon) for _ in range(2)]
         for s in streams:
             assert s.first_delta.wait(60)
@@ -42,6 +50,13 @@ def test_a_worker_rank_killed_mid_stream_fails_every_request_and_exits_75(
         assert time.monotonic() - killed_at < 10.0
         assert any("RankFailed" in str(r) for r in daemon.events("scheduler_failed"))
         assert _is_dead(worker_pid)
+        doctor = specctl(daemon, "doctor", "--log", str(daemon.log_path))
+        assert doctor.returncode == EXIT_DOCTOR_PROBLEM
+        assert "FAIL  daemon:" in doctor.stdout
+        assert (f"exit 75: scheduler failed in stage loop: RankFailed('rank 1 (pid {worker_pid} "
+                f"on cpu) exited with code -9')") in doctor.stdout
+        assert (f"; failed rank 1 (pid {worker_pid} on cpu); the run's ranks: {ranks[0]}, "
+                f"{ranks[1]}\n") in doctor.stdout
     finally:
         daemon.stop()
 
@@ -57,6 +72,13 @@ def test_a_stopped_worker_rank_is_caught_by_the_hang_watchdog(tmp_path: Path) ->
     try:
         (ready,) = daemon.events("tensor_parallel_ready")
         (worker_pid,) = ready["worker_pids"]
+        os.kill(worker_pid, signal.SIGSTOP)  # idle: nothing waits for it yet
+        doctor = specctl(daemon, "doctor")
+        assert doctor.returncode == EXIT_DOCTOR_PROBLEM
+        assert f"FAIL  ranks: failed: rank 1 pid {worker_pid} on cpu; " in doctor.stdout
+        assert f"rank 1 is stopped: kill -CONT {worker_pid}" in doctor.stdout
+        assert "FAIL  generation: not tried" in doctor.stdout
+        os.kill(worker_pid, signal.SIGCONT)
         stream = StreamInThread(daemon)
         assert stream.first_delta.wait(60)
         stopped_at = time.monotonic()

@@ -73,6 +73,7 @@ class WorkerGroup:
         context = mp.get_context("spawn")
         self.processes: list[BaseProcess] = []
         self.pipes: list[Connection] = []
+        self.devices = [rank_device(config.device, rank) for rank in range(1, world)]
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         for rank in range(1, world):
             ours, theirs = context.Pipe()
@@ -96,13 +97,20 @@ class WorkerGroup:
             while status == "loading":
                 while not pipe.poll(0.1):
                     if not process.is_alive():
-                        raise RuntimeError(f"rank {rank} exited with code {process.exitcode} "
-                                           f"before it was {expected}")
+                        raise RuntimeError(f"{self.describe(rank)} exited with code "
+                                           f"{process.exitcode} before it was {expected}")
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"rank {rank} not {expected} after {timeout_s:.0f} s")
+                        raise RuntimeError(f"{self.describe(rank)} not {expected} after "
+                                           f"{timeout_s:.0f} s")
                 status, detail = pipe.recv()
             if status != expected:
-                raise RuntimeError(f"rank {rank} failed while starting:\n{detail}")
+                raise RuntimeError(f"{self.describe(rank)} failed while starting:\n{detail}")
+
+    def describe(self, rank: int) -> str:
+        """"rank R (pid P on DEVICE)" of worker `rank` (1..N-1): how failures name a rank,
+        so that the failure's log record alone says which process and device it was."""
+        return (f"rank {rank} (pid {self.processes[rank - 1].pid} on "
+                f"{self.devices[rank - 1]})")
 
     def send(self, op: str, *args: object) -> None:
         """Send one call to every worker (serialized once); RankFailed if one is gone."""
@@ -112,7 +120,7 @@ class WorkerGroup:
             try:
                 pipe.send_bytes(data)
             except OSError as e:
-                raise RankFailed(f"rank {rank} no longer reads its calls ({e})") from e
+                raise RankFailed(f"{self.describe(rank)} no longer reads its calls ({e})") from e
 
     def check_alive(self, grace_s: float) -> None:
         """RankFailed naming the first worker that has exited (waiting up to `grace_s` for
@@ -121,8 +129,7 @@ class WorkerGroup:
             if grace_s:
                 process.join(grace_s)
             if not process.is_alive():
-                raise RankFailed(f"rank {rank} (pid {process.pid}) exited with code "
-                                 f"{process.exitcode}")
+                raise RankFailed(f"{self.describe(rank)} exited with code {process.exitcode}")
 
     def call_failed(self, error: Exception) -> None:
         """Rank 0's call raised `error`: RankFailed (chained to it) when a worker is gone
