@@ -1,16 +1,26 @@
-"""The load's heartbeat: sent while the main thread moves, silent while it is stuck."""
+"""The load's heartbeat: sent while the main thread moves (rank 0 reading its workers' beats
+included), silent while it is stuck."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any, cast
+
+import pytest
 
 from specd.ipc import messages as m
 from specd.workers.io_threads import LinkIO
+from specd.workers.parallel.driver import WorkerGroup
+from specd.workers.parallel.worker import heartbeats
 from specd.workers.stage_watch import StageWatch
 
 SAMPLE_S = 0.1
+STOP_AFTER_S = 3.5
 
 
 class _Outbox:
@@ -40,3 +50,49 @@ def test_heartbeats_follow_the_main_threads_work_and_stop_when_it_is_stuck() -> 
     assert working >= 5  # nearly one per sample (a sample may fall between clock ticks)
     assert silent <= 1  # at most the sample that saw the work end
     assert all(msg.stage == "load" and "s CPU" in msg.detail for msg in outbox.messages)
+
+
+def _loading_rank(conn: Connection) -> None:
+    """A worker rank that joined and loads for ever, beating as parallel/worker.py does."""
+    conn.send(("joining", ""))
+    with heartbeats(conn):
+        time.sleep(60)
+
+
+def test_rank_zero_waiting_for_a_loading_rank_moves_until_that_rank_is_stopped() -> None:
+    """Rank 0's wait for its workers (WorkerGroup.wait_for) reads their beats: the watch
+    sees progress while a worker loads, and silence once it is stopped (SIGSTOP)."""
+    ours, theirs = mp.get_context("fork").Pipe()
+    rank1 = mp.get_context("fork").Process(target=_loading_rank, args=(theirs,), daemon=True)
+    rank1.start()
+    # The real constructor spawns model workers: a group of this one process instead.
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.processes, group.pipes, group.devices = [rank1], [ours], ["cpu"]
+    outbox = _TimedOutbox()
+    stopper = threading.Timer(STOP_AFTER_S, os.kill, (cast(int, rank1.pid), signal.SIGSTOP))
+    stop_at = time.monotonic() + STOP_AFTER_S
+    try:
+        group.wait_for("joining", 5.0)
+        stopper.start()
+        with StageWatch(cast(LinkIO, outbox), "load"), \
+                pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cpu\) not ready"):
+            group.wait_for("ready", STOP_AFTER_S + 5.0)
+        timed_out_at = time.monotonic()
+    finally:
+        stopper.cancel()
+        rank1.kill()
+        rank1.join()
+    loading = [t for t in outbox.times if t < stop_at]
+    # A beat sent just before the stop is read and seen up to a sample later; the raise at
+    # the deadline is movement again.
+    stopped = [t for t in outbox.times if stop_at + 2.0 < t < timed_out_at - 0.5]
+    assert len(loading) >= 2  # a beat a second, each read: moved
+    assert stopped == [], str([round(t - stop_at, 2) for t in outbox.times])
+
+
+class _TimedOutbox:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def send(self, message: Any) -> None:
+        self.times.append(time.monotonic())

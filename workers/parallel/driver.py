@@ -27,7 +27,7 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -95,16 +95,27 @@ class WorkerGroup:
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), 1):
             status = "loading"
             while status == "loading":
-                while not pipe.poll(0.1):
-                    if not process.is_alive():
-                        raise RuntimeError(f"{self.describe(rank)} exited with code "
-                                           f"{process.exitcode} before it was {expected}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{self.describe(rank)} not {expected} after "
-                                           f"{timeout_s:.0f} s")
-                status, detail = pipe.recv()
+                # One blocking wait for a message, the exit or the deadline: between beats
+                # this thread does not move, so the stage watch sees the beats and only them
+                # (a stopped worker is silence).
+                ready = wait([pipe, process.sentinel], max(0.0, deadline - time.monotonic()))
+                if not pipe.poll():  # what it sent before it exited is read first
+                    if process.sentinel in ready:
+                        raise self._exited(rank, expected)
+                    raise RuntimeError(f"{self.describe(rank)} not {expected} after "
+                                       f"{timeout_s:.0f} s")
+                try:
+                    status, detail = pipe.recv()
+                except EOFError as e:  # it exited without a word (a signal, os._exit)
+                    raise self._exited(rank, expected) from e
             if status != expected:
                 raise RuntimeError(f"{self.describe(rank)} failed while starting:\n{detail}")
+
+    def _exited(self, rank: int, expected: str) -> RuntimeError:
+        process = self.processes[rank - 1]
+        process.join(EXIT_GRACE_S)  # its exit code, once reaped
+        return RuntimeError(f"{self.describe(rank)} exited with code {process.exitcode} "
+                            f"before it was {expected}")
 
     def describe(self, rank: int) -> str:
         """"rank R (pid P on DEVICE)" of worker `rank` (1..N-1): how failures name a rank,
