@@ -183,9 +183,9 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Parse `model_dir/config.json` (+ `generation_config.json` if present)."""
         model_dir = Path(model_dir)
-        raw = _read_json(model_dir / "config.json")
+        raw = read_json_object(model_dir / "config.json")
         generation_path = model_dir / "generation_config.json"
-        generation = _read_json(generation_path) if generation_path.is_file() else None
+        generation = read_json_object(generation_path) if generation_path.is_file() else None
         return cls.from_dict(raw, model_dir, generation)
 
     @classmethod
@@ -245,7 +245,9 @@ class ModelConfig:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError naming the file when it is missing, not JSON, or
+    not an object."""
     if not path.is_file():
         raise ValueError(f"{path}: not found (a Hugging Face model directory needs it)")
     try:

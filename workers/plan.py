@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specd.workers.model_config import ModelConfig
+from specd.workers.model_config import ModelConfig, read_json_object
 from specd.workers.plan_weights import PlanOptions, WeightPart, draft_head_parts, target_parts
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.head_files import (
@@ -129,15 +129,7 @@ def read_config(model_dir: Path) -> tuple[ModelConfig, Mapping[str, Any] | None]
 
     ModelConfig is parsed without the quantization config: the plan needs the shapes from it
     and reads which linears are INT4 from the quantization config itself."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{path}: not found (a model directory needs its config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    raw = read_json_object(model_dir / "config.json")
     text = raw.get("text_config")
     quant = raw.get("quantization_config") or (
         text.get("quantization_config") if isinstance(text, dict) else None)
@@ -145,7 +137,7 @@ def read_config(model_dir: Path) -> tuple[ModelConfig, Mapping[str, Any] | None]
     if isinstance(text, dict):
         stripped["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
     generation_path = model_dir / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    generation = read_json_object(generation_path) if generation_path.is_file() else None
     return ModelConfig.from_dict(stripped, model_dir, generation), quant
 
 
