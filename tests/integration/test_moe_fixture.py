@@ -102,7 +102,7 @@ def test_fixture_moe_matches_transformers(expected: list[list[int]],
     assert core.resolved.kv_bytes_per_token == cfg.num_layers * cfg.mla.latent_size * 4
 
 
-@pytest.mark.slow  # 40-50 s a case on two cores; the dense fixture's chain case runs first
+@pytest.mark.slow  # 40-50 s a case on two cores: CI's second tier
 @pytest.mark.parametrize("options", [
     {"spec_topk": 1, "spec_num_steps": 3},
     {"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6},

@@ -187,12 +187,11 @@ TREE = {"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6}
 PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3}
 
 
+@pytest.mark.slow  # 70-75 s a case on a 2-core machine at the default size: CI's second tier
 @pytest.mark.parametrize("options, penalties", [
     ({"spec_topk": 1, "spec_num_steps": 3}, {}),
-    # Each case takes 70-75 s on a 2-core machine at the default size: the chain stays in
-    # the README's test command, the tree cases are `slow` (CI's second tier runs them).
-    pytest.param(TREE, {}, marks=pytest.mark.slow),
-    pytest.param(TREE, PENALTIES, marks=pytest.mark.slow),
+    (TREE, {}),
+    (TREE, PENALTIES),
 ], ids=["chain", "tree", "tree-penalties"])
 def test_sampled_tokens_follow_the_target_distribution(options: dict[str, Any],
                                                        penalties: dict[str, float]) -> None:

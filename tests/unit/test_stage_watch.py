@@ -48,7 +48,10 @@ def test_heartbeats_follow_the_main_threads_work_and_stop_when_it_is_stuck() -> 
         stuck.wait(1.5)  # one C call: no CPU, no reads, the same line
         silent = outbox.count() - working
     assert working >= 5  # nearly one per sample (a sample may fall between clock ticks)
-    assert silent <= 1  # at most the sample that saw the work end
+    # Stuck for 1.5 s at 0.1 s samples: a watch that kept beating sends about 15. At most
+    # the sample that saw the work end, and one more where the kernel charged the last CPU
+    # ticks of the work late (seen on a loaded 2-core VM).
+    assert silent <= 2
     assert all(msg.stage == "load" and "s CPU" in msg.detail for msg in outbox.messages)
 
 
