@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from heldout import heldout_prompt_ids
+from test_engine_parity import hf_greedy
 from torch import nn
 
 from specd.ipc.sampling import SamplingParams
@@ -53,14 +54,7 @@ def int4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def expected(int4_dir: Path) -> list[list[int]]:
     """transformers' greedy continuations of the INT4 checkpoint (float32), prompt by prompt."""
     torch.set_num_threads(2)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(int4_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in PROMPTS:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS, eos_token_id=None)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    return hf_greedy(int4_dir, PROMPTS, NEW_TOKENS)
 
 
 def _engine(int4_dir: Path, **options: Any) -> EngineCore:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from heldout import heldout_prompt_ids
+from test_engine_parity import hf_greedy
 from test_spec_lossless import CRITICAL_CHI2_DF2, NUM_SEQS, NUM_TOKENS, _rank_statistic
 
 from specd.ipc.sampling import SamplingParams
@@ -62,14 +63,7 @@ def test_fixture_moe_has_the_deepseek_v3_features() -> None:
 def expected() -> list[list[int]]:
     """transformers' greedy continuations (float32), one prompt at a time."""
     torch.set_num_threads(2)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(MOE_DIR, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in PROMPTS:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS, eos_token_id=None)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    return hf_greedy(MOE_DIR, PROMPTS, NEW_TOKENS)
 
 
 def generate(**options: Any) -> tuple[list[list[int]], EngineCore]:
