@@ -166,6 +166,11 @@ class Backend(ABC):
         compiled)."""
         return "off"
 
+    def linears_status(self) -> str:
+        """How the target's dense linears run, for `specctl status`: as the model built them
+        here; the CPU backend says whether oneDNN packs them, and why not."""
+        return "nn.Linear"
+
     def fallbacks(self) -> list[Fallback]:
         """Every fallback in force, the target's and the draft loop's (module docstring);
         empty when everything runs as configured."""

@@ -186,6 +186,9 @@ class EngineResolved:
     overlap_schedule: bool = False
     graphs: str = "off"  # what replays captured forwards, or why nothing does (graphs.py)
     graph_memory_bytes: int = 0  # taken from the KV-cache budget
+    # How the target's dense linears run: packed for oneDNN, or nn.Linear and why (a CPU
+    # without oneDNN's bf16 GEMM keeps bfloat16 linears unpacked).
+    linears: str = "nn.Linear"
     # The target's paged cache per token over all layers (K/V, or MLA's latent rows); the
     # draft head's own K/V comes on top, from the same budget.
     kv_bytes_per_token: int = 0

@@ -1,7 +1,8 @@
 """The CPU backend: every CPU-specific execution path behind the `Backend` interface.
 
 * Packed linears (layers.PackedLinear): bfloat16 linears get oneDNN's weight layout once,
-  at construction, instead of per call.
+  at construction, instead of per call, where the CPU runs oneDNN's bf16 GEMM (AVX-512 or
+  avx_ne_convert); elsewhere they stay `nn.Linear`, and `linears_status` says why.
 * Kept decode K/V (decode_stage.py): plain decode attends over a copy of the decode
   group's K/V kept from one step to the next, so a step does not re-gather every history.
 * With `--cpu-compile`: decode and verify steps as one compiled function (cpu_decode.py);
@@ -38,7 +39,7 @@ from specd.workers.batch import ScheduledBatch
 from specd.workers.cpu_decode import CompiledDecode
 from specd.workers.cpu_draft import CompiledDraftLoop
 from specd.workers.decode_stage import DecodeStage
-from specd.workers.layers import pack_linears_for_cpu
+from specd.workers.layers import bf16_packing_unsupported, can_pack, pack_linears_for_cpu
 from specd.workers.models import CausalLM
 from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.sequence import Sequence as Seq
@@ -58,6 +59,10 @@ class CpuBackend(Backend):
         super().__init__(model, capture_layers, kv_caches, block_size)
         # With compile each packed linear also keeps its plain weight for the compiled steps.
         self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile)
+        self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
+        if self.unpacked_reason:
+            log.warning("bfloat16 linears not packed for oneDNN: %s", self.unpacked_reason,
+                        extra={"event": "cpu_linears_unpacked", "reason": self.unpacked_reason})
         # The dense-K/V paths: for the dense decoder only (module docstring).
         dense = model if isinstance(model, DecoderForCausalLM) else None
         self.stage = DecodeStage(block_size) if dense is not None else None
@@ -109,6 +114,11 @@ class CpuBackend(Backend):
         if not reason:
             return []
         return [Fallback("cpu_compile_decode", f"decode and verify run eagerly: {reason}")]
+
+    def linears_status(self) -> str:
+        if self.num_packed_linears:
+            return f"packed for oneDNN ({self.num_packed_linears} bfloat16 linears)"
+        return f"nn.Linear ({self.unpacked_reason or 'nothing to pack: not bfloat16'})"
 
     def status(self) -> str:
         if self.no_compiled_decode:
@@ -180,6 +190,14 @@ class CpuBackend(Backend):
             aux=_merge_rows(aux_parts, rows_parts, offsets[-1]) if aux_parts else None,
             sample_rows=torch.cat(sample_rows), sample_seqs=sample_seqs,
             sample_ids=sample_ids)
+
+
+def _unpacked_reason(model: torch.nn.Module, num_packed: int) -> str:
+    """Why a model with bfloat16 linears has none packed ("" when packed, or when it has no
+    bfloat16 linear to pack)."""
+    if num_packed or not any(can_pack(m) for m in model.modules()):
+        return ""
+    return bf16_packing_unsupported() or ""
 
 
 def _merge_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], num_rows: int

@@ -67,6 +67,7 @@ def engine_resolved(core: EngineCore) -> EngineResolved:
         overlap_schedule=config.overlap_enabled,
         graphs=worker.graphs_status(),
         graph_memory_bytes=worker.graph_memory_bytes,
+        linears=runner.backend.linears_status(),
         # Per rank under tensor parallelism (the cache each rank holds).
         kv_bytes_per_token=kv_bytes_per_token(runner.kv_model_config, runner.dtype),
         kv_budget_bytes=budget.num_bytes,

@@ -143,8 +143,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
-    """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` (where oneDNN
-    is built in; keep_plain: see PackedLinear); returns how many were replaced."""
+    """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` where this
+    CPU can pack them (`bf16_packing_unsupported`; keep_plain: see PackedLinear); returns how
+    many were replaced (0 where it cannot)."""
+    if bf16_packing_unsupported() is not None:
+        return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -154,7 +157,22 @@ def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
     return count
 
 
+def bf16_packing_unsupported() -> str | None:
+    """Why oneDNN cannot pack bfloat16 linears here, in one line, or None where it can.
+
+    oneDNN's bf16 GEMM needs avx_ne_convert, or avx512bw + avx512vl + avx512dq (an AVX2-only
+    CPU has neither: `_reorder_linear_weight` raises there); torch asks oneDNN itself, so an
+    `ONEDNN_MAX_CPU_ISA` cap counts as the CPU's limit too."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch is built without oneDNN"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ("oneDNN's bf16 GEMM needs avx_ne_convert, or avx512bw, avx512vl and avx512dq, "
+                "which this CPU lacks")
+    return None
+
+
 def can_pack(module: nn.Module | None) -> TypeGuard[nn.Linear]:
-    """Whether `module` is a linear `PackedLinear` can replace (bf16, CPU, oneDNN built)."""
-    return (torch.backends.mkldnn.is_available() and isinstance(module, nn.Linear)
-            and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu")
+    """Whether `module` is a linear `PackedLinear` can replace (bf16, on the CPU); whether
+    the CPU can pack at all is `bf16_packing_unsupported`."""
+    return (isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16
+            and module.weight.device.type == "cpu")

@@ -4,6 +4,7 @@ tables on a tiny random Llama (no scheduler)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -177,10 +178,10 @@ def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
 
 
 def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) -> None:
-    from specd.workers.layers import PackedLinear
+    from specd.workers.layers import PackedLinear, bf16_packing_unsupported
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if (reason := bf16_packing_unsupported()) is not None:
+        pytest.skip(f"this CPU cannot pack bf16 linears: {reason}")
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 40, bias=True).to(torch.bfloat16)
     packed = PackedLinear(linear)
@@ -191,3 +192,40 @@ def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) ->
     for dtype, expected in (("bfloat16", 2 * 4 + 1), ("float32", 0)):
         backend = make_runner(model_dir, dtype=dtype).backend
         assert isinstance(backend, CpuBackend) and backend.num_packed_linears == expected
+    assert make_runner(model_dir, dtype="bfloat16").backend.linears_status() == (
+        "packed for oneDNN (9 bfloat16 linears)")
+
+
+# A CPU without oneDNN's bf16 GEMM, on any host: oneDNN reads this cap as the CPU's ISA.
+_AVX2_ONLY = """
+import sys, torch
+from specd.workers.config import EngineConfig
+from specd.workers.model_runner import ModelRunner
+from specd.workers.layers import bf16_packing_unsupported
+assert bf16_packing_unsupported() is not None, "the ISA cap did not take"
+runner = ModelRunner(EngineConfig(model=sys.argv[1], dtype="bfloat16", num_kv_blocks=32))
+assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+print(runner.backend.num_packed_linears)
+print(runner.backend.linears_status())
+"""
+
+
+def test_a_cpu_without_onednn_bf16_keeps_nn_linear_and_says_why(model_dir: Path) -> None:
+    """oneDNN refuses to lay out a bf16 weight on an AVX2-only CPU: there the runner keeps
+    `nn.Linear` (no traceback) and its status names what the CPU lacks."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _AVX2_ONLY, str(model_dir)],
+                            env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    count, status = result.stdout.splitlines()[-2:]
+    assert count == "0"
+    assert status == ("nn.Linear (oneDNN's bf16 GEMM needs avx_ne_convert, or avx512bw, "
+                      "avx512vl and avx512dq, which this CPU lacks)")
+
+
+def test_a_float32_runner_has_nothing_to_pack(model_dir: Path) -> None:
+    assert make_runner(model_dir).backend.linears_status() == (
+        "nn.Linear (nothing to pack: not bfloat16)")
