@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from specd.daemon.front import Front
 
 PROBE_INTERVAL_S = 5.0  # an idle scheduler is asked for its figures this often (at most)
-# Start-up stages that send heartbeats while they progress (workers/stage_watch.py): silence
+# Start-up stages that send heartbeats while they progress (workers/process/stage_watch.py): silence
 # for the hang timeout there is a hang. Warm-up compiles and captures without them.
 WATCHED_STAGES = ("load",)
 PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive

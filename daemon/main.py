@@ -37,7 +37,7 @@ from specd.logs import log_event, setup_logging
 from specd.model_fit import check_vocabulary
 from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, EngineConfig
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
 
 log = logging.getLogger("specd.main")
 

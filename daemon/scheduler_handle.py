@@ -2,7 +2,7 @@
 
 Constructing a `SchedulerHandle` removes the link directories of fronts that died without
 cleaning up (`kill -9`), makes its own private link directory (0700), binds both
-ZeroMQ sockets and starts `python -P -m specd.workers.scheduler_process`. The child gets
+ZeroMQ sockets and starts `python -P -m specd.workers.process.scheduler_process`. The child gets
 the front's environment minus systemd's service variables, and dies with the front
 (PR_SET_PDEATHSIG, armed in the child). Its exit is seen at once through a pidfd on the
 event loop (SIGKILL, segfault and the OOM killer included), not by polling.
@@ -73,7 +73,7 @@ class SchedulerHandle:
         self._receiver: TypedSocket[FromScheduler] = TypedSocket.bind(
             self._context, zmq.PULL, self.paths.from_scheduler, FromScheduler)
         self.process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "specd.workers.scheduler_process",
+            [sys.executable, "-P", "-m", "specd.workers.process.scheduler_process",
              "--link-dir", str(self.paths.runtime_dir), "--parent-pid", str(os.getpid()),
              "--engine-config", msgspec.json.encode(engine).decode(),
              "--log-format", log_format, "--log-level", log_level],

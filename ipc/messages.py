@@ -317,7 +317,7 @@ class StartupStage(_Link, frozen=True, tag="stage"):
     "load" it carries its code version, where its `specd` package lies and every source
     file's digest (provenance.py), so the front refuses other code before the model loads
     and names the files that differ. A message repeating the current stage with a `detail`
-    is a heartbeat of progress within it (workers/stage_watch.py)."""
+    is a heartbeat of progress within it (workers/process/stage_watch.py)."""
 
     stage: str
     code_version: str = ""

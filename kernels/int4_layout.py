@@ -1,7 +1,7 @@
 """The compressed-tensors `pack-quantized` INT4 layout (W4A16) in pure torch: its constants,
 unpacking, dequantization and shape checks, shared by the dense GEMM (kernels/int4_gemm.py,
 whose docstring describes the layout in full), the fused MoE (kernels/moe_w4a16.py) and the
-loader (workers/quantization.py).
+loader (workers/models/quantization.py).
 
 W[n, k] = (q[n, k] - z[n, g]) * scale[n, g], g = k // group_size: `weight_packed` int32
 [N, K/8] (eight 4-bit values per word along K, least significant nibble first, stored + 8),

@@ -26,14 +26,14 @@ Pipeline (`fused_moe_w4a16`, vLLM's `fused_experts` structure, notes/mla_moe_tp.
    pair in the epilogue -> weighted [M * k, H] at row p.
 4. `moe_sum`: weighted viewed [M, k, H] summed over k in float32.
 
-`routed_scaling_factor`: workers/moe.py's `route` multiplies it into topk_weights, so the
+`routed_scaling_factor`: workers/models/moe.py's `route` multiplies it into topk_weights, so the
 weights arrive scaled and are applied as given; nothing here scales again.
 
 Semantics (the kernels and `fused_moe_w4a16_ref` alike), with `rnd` the rounding to the
 activation dtype: weights dequantized in float32 and rounded once (int4_gemm.py);
 gate = rnd(x W_gate^T), up = rnd(x W_up^T) accumulated in float32; h = rnd(rnd(silu(gate)) *
 up); y = rnd(h W_down^T); weighted = rnd(y * w) in float32; out = rnd(sum_j weighted_j) in
-float32. These are the roundings of workers/moe.py's dense path plus one (weighted is stored
+float32. These are the roundings of workers/models/moe.py's dense path plus one (weighted is stored
 in the activation dtype, as vLLM's fused MoE stores it, to keep the buffer at 2 bytes).
 
 Tokens are processed in chunks of CHUNK_TOKENS, so the buffers (h and weighted, CHUNK_TOKENS
@@ -69,7 +69,7 @@ CHUNK_TOKENS = 2048  # tokens per pass: bounds h and weighted (untuned)
 @dataclass(frozen=True)
 class Int4ExpertWeights:
     """Stacked INT4 SwiGLU weights of E routed experts (module docstring's layout); the INT4
-    counterpart of workers/moe.py's `ExpertWeights`. ValueError on construction for tensors
+    counterpart of workers/models/moe.py's `ExpertWeights`. ValueError on construction for tensors
     outside the layout."""
 
     w13_packed: torch.Tensor

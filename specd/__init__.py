@@ -21,14 +21,14 @@ if importlib.util.find_spec("specd.daemon") is None:
 
 if TYPE_CHECKING:
     from specd.ipc.sampling import SamplingParams
-    from specd.workers.engine_api import Engine
+    from specd.workers.engine.api import Engine
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from specd.workers.engine_api import Engine
+        from specd.workers.engine.api import Engine
 
         return Engine
     if name == "SamplingParams":

@@ -37,7 +37,7 @@ launches, moe_sum) eagerly and replayed as a CUDA graph, eagerly with every weig
 stored output-contiguous within its expert (`moe_nmajor_us`: the layout a loader may choose for
 coalesced reads; the checkpoint's is K-contiguous), the alignment alone (the one-program
 Triton version the call uses, and the torch version, `align_torch_us`), and the bf16
-baseline, workers/moe.py's `experts_forward` on bf16 weights of the same shapes (one matmul
+baseline, workers/models/moe.py's `experts_forward` on bf16 weights of the same shapes (one matmul
 pair per touched expert). Bytes are those of the experts the batch touches (INT4 weights and
 scales, activations and the two intermediate buffers); `moe_floor_us` is those bytes at the
 measured copy bandwidth (nominal when unmeasured) and `bf16_floor_us` the bf16 weights' bytes
@@ -145,7 +145,7 @@ def _bw_share(nbytes: float, ms: float) -> float | None:
 def _gemm_operands(k: int, n: int, m: int,
                    group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
     """(x [m, k], bf16 weight [n, k], packed and scale as the checkpoint stores them)."""
-    from specd.workers.quantization import quantize_rtn
+    from specd.workers.models.quantization import quantize_rtn
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     weight = torch.randn(n, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
@@ -354,7 +354,7 @@ def moe_weights(group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
     (every nibble uniform), scales in [0.001, 0.003); the bf16 baseline's own random
     weights (timing only: 34 GB beside the INT4 9.5 GB)."""
     from specd.kernels.moe_w4a16 import Int4ExpertWeights
-    from specd.workers.moe import ExpertWeights
+    from specd.workers.models.moe import ExpertWeights
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
@@ -411,7 +411,7 @@ def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]
         fused_moe_w4a16,
         fused_moe_w4a16_ref,
     )
-    from specd.workers.moe import experts_forward
+    from specd.workers.models.moe import experts_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, MOE_HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16)

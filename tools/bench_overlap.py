@@ -30,9 +30,9 @@ from workload import load_prompts  # noqa: E402
 from specd.ipc.sampling import SamplingParams  # noqa: E402
 from specd.tokenizer import Tokenizer  # noqa: E402
 from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
-from specd.workers.engine import EngineCore  # noqa: E402
-from specd.workers.graph_backend import GraphBackend  # noqa: E402
-from specd.workers.host_copy import HostCopy  # noqa: E402
+from specd.workers.engine.core import EngineCore  # noqa: E402
+from specd.workers.runner.graph_backend import GraphBackend  # noqa: E402
+from specd.workers.runner.host_copy import HostCopy  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {"plain": {"speculative_algorithm": None},
                                    "spec chain5": {"spec_mode": "on", "spec_topk": 1,

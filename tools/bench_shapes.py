@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from specd.workers.attention import AttentionMetadata, build_attention_metadata
-from specd.workers.layers import dense_linear
-from specd.workers.model_config import ModelConfig
-from specd.workers.models import build_meta_model
-from specd.workers.quantization import linear_factory_for
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import dense_linear
+from specd.workers.models.quantization import linear_factory_for
+from specd.workers.models.registry import build_meta_model
+from specd.workers.runner.attention import AttentionMetadata, build_attention_metadata
 from specd.workers.spec.draft_config import DraftConfig, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead
 

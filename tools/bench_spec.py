@@ -29,7 +29,7 @@ from workload import load_prompts  # noqa: E402
 from specd.ipc.sampling import SamplingParams  # noqa: E402
 from specd.tokenizer import Tokenizer  # noqa: E402
 from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
-from specd.workers.engine import EngineCore  # noqa: E402
+from specd.workers.engine.core import EngineCore  # noqa: E402
 
 # EngineConfig keyword arguments per draft shape (Any: they are passed as **options)
 SHAPES: dict[str, dict[str, Any]] = {

@@ -24,7 +24,7 @@ import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 from heldout import heldout_prompt_ids  # noqa: E402  (tests/ is not a package)

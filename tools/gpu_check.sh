@@ -202,7 +202,7 @@ src = Path(sys.argv[1]).resolve()
 third_party = ["torch", "triton", "safetensors", "tokenizers", "jinja2", "zmq", "msgspec",
                "uvloop", "click", "transformers", "compressed_tensors", "pydantic",
                "hypothesis", "pytest", "matplotlib", "numpy"]
-ours = ["specd", "specd.workers.engine", "specd.kernels.int4_gemm",
+ours = ["specd", "specd.workers.engine.core", "specd.kernels.int4_gemm",
         "specd.kernels.tree_attention", "specd.kernels.mla_attention", "specd.daemon.main",
         "specd.daemon.ctl.cli", "specd.client"]
 missing = []

@@ -4,7 +4,7 @@ r"""Quantize a bf16 checkpoint into a compressed-tensors `pack-quantized` INT4 (
                              [--ignore PATTERN ...]
 
 Weights are quantized round-to-nearest, symmetric, per group of `group_size` input columns
-(`specd.workers.quantization.quantize_rtn`) and stored as `weight_packed` int32 [out, in/8],
+(`specd.workers.models.quantization.quantize_rtn`) and stored as `weight_packed` int32 [out, in/8],
 `weight_scale` bf16 [out, in/group] and `weight_shape` int64 [2]. Which weights, by recipe:
 
 * `dense` (default): every linear weight of the decoder blocks (`...layers.N....weight`, 2-D,
@@ -40,9 +40,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specd.workers.loader import INDEX_FILE, checkpoint_files
-from specd.workers.moe import EXPERT_TENSOR
-from specd.workers.quantization import QuantConfig, is_quantized, quantize_rtn
+from specd.workers.models.loader import INDEX_FILE, checkpoint_files
+from specd.workers.models.moe import EXPERT_TENSOR
+from specd.workers.models.quantization import QuantConfig, is_quantized, quantize_rtn
 
 BLOCK_WEIGHT = re.compile(r"(^|.*\.)layers\.\d+\..+\.weight$")
 RECIPES = ("dense", "moe")

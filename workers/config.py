@@ -36,7 +36,7 @@ class EngineConfig:
     draft_model: an EAGLE-3 head directory; None takes an embedded model's own head (and
         none for other models).
     dtype: activation and unquantized weight dtype ("auto": see
-        `model_runner.resolve_dtype`; the checkpoint's half precision where the device
+        `runner.dtypes.resolve_dtype`; the checkpoint's half precision where the device
         computes it natively, float32 otherwise).
     kv_cache_memory_bytes: budget for the paged KV cache; the block count follows from it.
         None: on CUDA, gpu_memory_utilization of the device memory free after the weights,

@@ -18,7 +18,7 @@ class LocalGeneration:
 
     def __init__(self, model: str | None, text: str, messages: list[dict[str, str]] | None,
                  sampling: SamplingParams) -> None:
-        from specd.workers.engine_api import Engine  # torch: only on the --local path
+        from specd.workers.engine.api import Engine  # torch: only on the --local path
 
         self.engine = Engine(model=model)
         tokenizer = self.engine.tokenizer

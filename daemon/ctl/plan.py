@@ -1,5 +1,5 @@
 """`specctl plan`: whether and how a model fits N GPUs, from its config alone (no weights,
-no daemon). The arithmetic is workers/plan.py; this module parses options and prints."""
+no daemon). The arithmetic is workers/plan/deployment.py; this module parses options and prints."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
     and whether one sequence of the model's maximum length fits. Runs without a daemon.
     """
     from specd.workers.config import EngineConfig
-    from specd.workers.plan import PlanOptions, make_plan
+    from specd.workers.plan.deployment import PlanOptions, make_plan
 
     settings = ctx.find_object(Settings)  # the group's --json counts too
     as_json = as_json or (settings is not None and settings.as_json)

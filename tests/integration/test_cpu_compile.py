@@ -1,6 +1,6 @@
 """`--cpu-compile`: decode and verify steps on the CPU as one compiled function
-(workers/cpu_decode.py), and the draft loop as another (workers/cpu_draft.py): the CPU
-backend's compiled paths (workers/cpu_backend.py).
+(workers/runner/cpu_decode.py), and the draft loop as another (workers/runner/cpu_draft.py): the CPU
+backend's compiled paths (workers/runner/cpu_backend.py).
 
 The compiled steps and drafts give the eager engine's greedy output token for token
 (float32), with the draft head's aux rows kept for speculation, verify steps, arrivals, an
@@ -20,10 +20,10 @@ import torch
 from scenario import assert_same, run
 
 from specd.workers.config import EngineConfig
-from specd.workers.cpu_backend import CpuBackend
-from specd.workers.cpu_decode import _new_rows_mask, attend_history_and_new
-from specd.workers.cpu_draft import CompiledDraftLoop
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
+from specd.workers.runner.cpu_backend import CpuBackend
+from specd.workers.runner.cpu_decode import _new_rows_mask, attend_history_and_new
+from specd.workers.runner.cpu_draft import CompiledDraftLoop
 
 
 def _cpu_backend(core: EngineCore) -> CpuBackend:

@@ -420,8 +420,8 @@ def test_status_reports_provenance_of_both_processes(daemon: Daemon) -> None:
         status = client.status()
     front, scheduler = status.provenance["front"], status.provenance["scheduler"]
     assert front["code_version"] == scheduler["code_version"]
-    assert "specd.workers.engine" in scheduler["modules"]
-    assert "specd.workers.engine" not in front["modules"]
+    assert "specd.workers.engine.core" in scheduler["modules"]
+    assert "specd.workers.engine.core" not in front["modules"]
     assert "torch" in scheduler["packages"]
 
 

@@ -1,6 +1,6 @@
 """Through the real daemon: a request whose engine step fails ends with `internal_error`
 for its client only, while another client's request runs to its end and the daemon keeps
-serving (workers/isolation.py).
+serving (workers/engine/isolation.py).
 
 The fault is planted in the scheduler process by a test-only `sitecustomize` module on
 PYTHONPATH (Python imports it at start-up; the daemon has no hook for it): the sampler
@@ -23,7 +23,7 @@ PLUGIN = f'''
 import sys
 
 if "--engine-config" in sys.argv:  # the scheduler process only, not the front
-    from specd.workers import sampler
+    from specd.workers.runner import sampler
 
     _real_sample = sampler.sample
 

@@ -34,7 +34,7 @@ from test_deepseek_parity import save_model
 import specd
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 transformers = pytest.importorskip("transformers")
 
@@ -218,7 +218,7 @@ def test_tree_acceptance_compacts_latent_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepted tree paths off slot order move latent rows; the output stays the plain one,
     under preemption too."""
-    from specd.workers.model_runner import ModelRunner
+    from specd.workers.runner.model_runner import ModelRunner
 
     model, head, prompts, plain = spec_case
     moved: list[int] = []
@@ -242,9 +242,9 @@ def test_tree_acceptance_compacts_latent_rows(
 def test_aux_hidden_states_are_transformers_hidden_states(tmp_path: Path) -> None:
     """The head's inputs come from the MoE model's layers as transformers numbers them
     (0 = embeddings, k = after block k - 1), captured by the runner in a prefill."""
-    from specd.workers.attention import build_attention_metadata
-    from specd.workers.model_runner import ModelRunner
-    from specd.workers.step_inputs import StepInputs
+    from specd.workers.runner.attention import build_attention_metadata
+    from specd.workers.runner.model_runner import ModelRunner
+    from specd.workers.runner.step_inputs import StepInputs
 
     hf = save_model("kimi", tmp_path)
     ids = make_prompts(hf.config.vocab_size)[2]
@@ -270,7 +270,7 @@ def test_cpu_compile_skips_the_dense_kv_paths(
         caplog: pytest.LogCaptureFixture) -> None:
     """The kept decode K/V and the compiled decode read per-head K/V: a latent-cache model
     runs without them, says why once (an ERROR record and status), and is still exact."""
-    from specd.workers.cpu_backend import CpuBackend
+    from specd.workers.runner.cpu_backend import CpuBackend
 
     model, _, prompts, plain = spec_case
     with caplog.at_level(logging.ERROR, logger="specd.cpu_backend"):
@@ -299,7 +299,7 @@ def test_captured_forwards_replay_over_the_latent_cache(
         spec_case: tuple[Path, Path, list[list[int]], list[list[int]]], mode: str) -> None:
     """Graphs (their CPU stand-in) for decode and verify, padded to the capture sizes
     through the spare block of the latent cache: the output stays the plain engine's."""
-    from specd.workers.graph_backend import GraphBackend
+    from specd.workers.runner.graph_backend import GraphBackend
 
     model, head, prompts, plain = spec_case
     options = ({"speculative_algorithm": None} if mode == "plain"

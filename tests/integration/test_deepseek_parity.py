@@ -32,10 +32,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specd.workers.attention import build_attention_metadata
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
 from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specd.workers.models.loader import load_model
+from specd.workers.runner.attention import build_attention_metadata
 
 transformers = pytest.importorskip("transformers")
 

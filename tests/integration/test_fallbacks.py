@@ -22,9 +22,9 @@ from daemon_harness import Daemon
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.ipc.sampling import SamplingParams
 from specd.logs import TextFormatter
-from specd.workers import graphs
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
+from specd.workers.runner import graphs
 
 
 class _Records(logging.Handler):
@@ -112,8 +112,8 @@ def test_the_operator_sees_a_fallback_in_status_and_doctor_fails(
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent("""\
         import sys
-        if "specd.workers.scheduler_process" in sys.orig_argv:
-            from specd.workers import graphs
+        if "specd.workers.process.scheduler_process" in sys.orig_argv:
+            from specd.workers.runner import graphs
 
             def capture(self, forward):
                 raise RuntimeError("planted capture failure")

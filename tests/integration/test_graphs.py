@@ -1,4 +1,4 @@
-"""Captured forwards (workers/graphs.py) on the CPU stand-in: steps of a captured shape
+"""Captured forwards (workers/runner/graphs.py) on the CPU stand-in: steps of a captured shape
 replay over static buffers, padded to the next captured batch size, and greedy output is
 token for token the eager engine's, with and without overlap scheduling, for every
 speculation mode, with arrivals, an abort and preemption. A capture that fails is logged
@@ -13,11 +13,11 @@ import pytest
 import torch
 from scenario import MODES, assert_same, run
 
-from specd.workers import graphs as graphs_module
-from specd.workers.engine import EngineCore
-from specd.workers.graph_backend import GraphBackend, GraphDraftLoop
-from specd.workers.graphs import GraphRunner, GraphShape
-from specd.workers.isolation import StepFailed
+from specd.workers.engine.core import EngineCore
+from specd.workers.engine.isolation import StepFailed
+from specd.workers.runner import graphs as graphs_module
+from specd.workers.runner.graph_backend import GraphBackend, GraphDraftLoop
+from specd.workers.runner.graphs import GraphRunner, GraphShape
 from specd.workers.spec.draft_graphs import DraftGraphs
 
 

@@ -31,10 +31,10 @@ from test_int4_model import ATOL, BLOCK_SIZE, NUM_BLOCKS, SMALL, Blocks, _oracle
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
-from specd.workers.model_runner import ModelRunner
-from specd.workers.moe_int4 import Int4RoutedExperts
-from specd.workers.quantization import Int4Linear
-from specd.workers.sequence import Sequence
+from specd.workers.engine.sequence import Sequence
+from specd.workers.models.moe_int4 import Int4RoutedExperts
+from specd.workers.models.quantization import Int4Linear
+from specd.workers.runner.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import FIXTURE_DIR, EngineConfig
-from specd.workers.model_runner import ModelRunner, prepare_inputs
-from specd.workers.quantization import Int4Linear
-from specd.workers.sequence import Sequence
+from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
+from specd.workers.engine.sequence import Sequence
+from specd.workers.models.quantization import Int4Linear
+from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))

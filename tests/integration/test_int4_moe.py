@@ -26,13 +26,13 @@ from test_engine_parity import hf_greedy
 from torch import nn
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.model_runner import ModelRunner, prepare_inputs
-from specd.workers.moe_int4 import Int4RoutedExperts
-from specd.workers.quantization import Int4Linear
-from specd.workers.sequence import Sequence
+from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
+from specd.workers.engine.core import EngineCore
+from specd.workers.engine.sequence import Sequence
+from specd.workers.models.moe_int4 import Int4RoutedExperts
+from specd.workers.models.quantization import Int4Linear
+from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

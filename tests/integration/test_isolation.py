@@ -1,5 +1,5 @@
 """A step that raises because of one request fails that request, not the engine
-(workers/isolation.py). In-process engine on the fixture model (greedy, float32): a fault
+(workers/engine/isolation.py). In-process engine on the fixture model (greedy, float32): a fault
 is planted for request "p" among concurrent requests, in the runner (the sampler) or in
 the host's update, with overlap scheduling and speculation on and off. "p" ends with an
 error; every other request gets exactly the tokens of a run without the fault. A fault
@@ -16,13 +16,14 @@ import torch
 from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers import sampler
-from specd.workers.batch import ModelOutput, ScheduledBatch
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore, RequestDelta
-from specd.workers.isolation import StepFailed
-from specd.workers.scheduler import Scheduler
-from specd.workers.sequence import Sequence
+from specd.workers.engine.batch import ModelOutput, ScheduledBatch
+from specd.workers.engine.core import EngineCore
+from specd.workers.engine.isolation import StepFailed
+from specd.workers.engine.records import RequestDelta
+from specd.workers.engine.scheduler import Scheduler
+from specd.workers.engine.sequence import Sequence
+from specd.workers.runner import sampler
 
 POISONED = "p"
 PROMPTS = heldout_prompt_ids(4, 5, 11)

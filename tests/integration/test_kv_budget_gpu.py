@@ -1,6 +1,6 @@
 """On CUDA the default KV budget follows --gpu-memory-utilization (skipped on the CPU).
 
-The rule (workers/kv_cache.py): budget = gpu_memory_utilization x (memory free after the
+The rule (workers/runner/kv_cache.py): budget = gpu_memory_utilization x (memory free after the
 weights - the activation peak of a forward at max_num_batched_tokens), and captured graphs
 come out of it. Checked against the device's own figures (`torch.cuda.mem_get_info`).
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.kv_cache import DeviceMemory, kv_block_bytes
+from specd.workers.engine.core import EngineCore
+from specd.workers.runner.kv_cache import DeviceMemory, kv_block_bytes
 
 pytestmark = pytest.mark.gpu
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import FIXTURE_DIR, EngineConfig
-from specd.workers.model_runner import ModelRunner, prepare_inputs
-from specd.workers.sequence import Sequence
+from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
+from specd.workers.engine.sequence import Sequence
+from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,8 +20,8 @@ from test_spec_lossless import CRITICAL_CHI2_DF2, NUM_SEQS, NUM_TOKENS, _rank_st
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES, EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.model_config import ModelConfig
+from specd.workers.engine.core import EngineCore
+from specd.workers.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,7 +2,7 @@
 results reach the host, and greedy output is token for token what the whole-step engine
 produces, for every speculation mode, with requests arriving, finishing, aborting and being
 preempted between steps. The stand-ins for device streams and events are synchronous
-(workers/host_copy.py); the one-step lag and the device-side resolution of placeholder
+(workers/runner/host_copy.py); the one-step lag and the device-side resolution of placeholder
 tokens are the real code paths."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from scenario import MODES, PROMPTS, assert_same, run
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_overlap_under_preemption(whole_step: dict[str, list[int]],
     # that verified and drafted for them on the device).
     # (Measured auto is left out here: its timing-driven choices change the step count,
     # and with it whether this small cache overflows at all.)
-    from specd.workers.scheduler import Scheduler
+    from specd.workers.engine.scheduler import Scheduler
 
     preempted_in_flight: list[tuple[bool, bool]] = []  # (sample in flight, device drafts)
     real = Scheduler._preempt

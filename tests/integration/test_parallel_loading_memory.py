@@ -23,9 +23,9 @@ import pytest
 
 LOAD_SCRIPT = """
 import json, sys, torch
-from specd.workers.layers import dense_linear
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.layers import dense_linear
+from specd.workers.models.loader import load_model
+from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.loader import load_model_shard
 

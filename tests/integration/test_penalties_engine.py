@@ -18,7 +18,7 @@ from heldout import heldout_prompt_ids
 import specd
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 transformers = pytest.importorskip("transformers")
 

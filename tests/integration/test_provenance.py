@@ -74,7 +74,7 @@ def test_the_front_refuses_a_scheduler_of_other_code_before_the_model_loads(
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent("""\
         import sys
-        if "specd.workers.scheduler_process" in sys.orig_argv:
+        if "specd.workers.process.scheduler_process" in sys.orig_argv:
             from specd import provenance
 
             digests = dict(provenance.file_digests())

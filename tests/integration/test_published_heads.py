@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 HEAD_DIR = FIXTURE_DIR / "eagle3"
 PROMPTS = heldout_prompt_ids(3, 9, 11)

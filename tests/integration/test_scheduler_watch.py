@@ -100,10 +100,10 @@ def test_a_load_that_stops_progressing_dumps_the_stacks_and_exits_75(
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent("""\
         import sys
-        if "specd.workers.scheduler_process" in sys.orig_argv:
+        if "specd.workers.process.scheduler_process" in sys.orig_argv:
             import threading
 
-            import specd.workers.engine as engine
+            import specd.workers.engine.core as engine
 
             def planted_deadlock(self, config):
                 lock = threading.Lock()

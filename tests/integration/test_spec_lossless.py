@@ -18,7 +18,7 @@ from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 # (arrival step, prompt index, max_tokens): requests join while others run and leave at
 # different times, so batches mix prefill chunks, plain decodes and verify passes.
@@ -152,8 +152,8 @@ class _History:
 
 def _rank_statistic(core: EngineCore, outputs: dict[str, tuple[list[int], list[int]]],
                     params: SamplingParams) -> tuple[float, list[float], list[int]]:
-    from specd.workers.attention import build_attention_metadata
-    from specd.workers.sampler import penalize, probs_from_logits
+    from specd.workers.runner.attention import build_attention_metadata
+    from specd.workers.runner.sampler import penalize, probs_from_logits
 
     runner = core.runner
     block = core.config.block_size

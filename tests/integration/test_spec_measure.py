@@ -9,8 +9,8 @@ import time
 import torch
 
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.sampler import SamplingParams
+from specd.workers.engine.core import EngineCore
+from specd.workers.runner.sampler import SamplingParams
 from specd.workers.spec.controller import bucket_of
 
 GAP_S = 0.05

@@ -4,7 +4,7 @@ configuration, 70 a code bug in building or warming up the engine).
 
 Faults inside the scheduler process are planted from outside the product: a
 `sitecustomize.py` on PYTHONPATH (which the front passes on to its child) patches specd in
-the scheduler process only (`python -m specd.workers.scheduler_process` in its argv)."""
+the scheduler process only (`python -m specd.workers.process.scheduler_process` in its argv)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def plant_in_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: s
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import sys\n"
-        "if 'specd.workers.scheduler_process' in sys.orig_argv:\n"
+        "if 'specd.workers.process.scheduler_process' in sys.orig_argv:\n"
         + textwrap.indent(textwrap.dedent(patch), "    "))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -75,7 +75,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_exits_78_naming_both_size
 def test_a_code_bug_in_warm_up_exits_70_not_78(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     plant_in_scheduler(tmp_path, monkeypatch, """
-        import specd.workers.engine as engine
+        import specd.workers.engine.core as engine
 
         def warmup(self):
             return self.planted_attribute  # the incident's shape: never assigned
@@ -96,7 +96,7 @@ def test_a_code_bug_in_warm_up_exits_70_not_78(tmp_path: Path,
 def test_a_configuration_error_while_loading_stays_78(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     plant_in_scheduler(tmp_path, monkeypatch, """
-        import specd.workers.engine as engine
+        import specd.workers.engine.core as engine
 
         def init(self, config):
             raise ValueError("kv_cache_memory_bytes leaves no KV block (planted)")

@@ -24,11 +24,11 @@ from heldout import heldout_prompt_ids
 from specd import Engine
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.kv_cache import kv_bytes_per_token
-from specd.workers.model_config import ModelConfig
+from specd.workers.engine.core import EngineCore
+from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import rank_device
 from specd.workers.parallel.driver import RankFailed
+from specd.workers.runner.kv_cache import kv_bytes_per_token
 
 PROMPTS = heldout_prompt_ids(3, 7, 11)
 NEW_TOKENS = 12

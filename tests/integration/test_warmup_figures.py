@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 
 def test_figures_after_warm_up_count_only_the_requests_served() -> None:

@@ -17,12 +17,12 @@ from test_startup_faults import plant_in_scheduler
 
 from specd.exit_codes import EXIT_SOFTWARE
 from specd.ipc.sampling import SamplingParams
-from specd.workers import model_runner, sampler
-from specd.workers.block_manager import BlockManager
 from specd.workers.config import EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.scheduler import Scheduler
-from specd.workers.sequence import FinishReason, Sequence
+from specd.workers.engine.block_manager import BlockManager
+from specd.workers.engine.core import EngineCore
+from specd.workers.engine.scheduler import Scheduler
+from specd.workers.engine.sequence import FinishReason, Sequence
+from specd.workers.runner import model_runner, sampler
 from specd.workers.spec import step as spec_step
 from specd.workers.spec import verify
 from specd.workers.spec.controller import SpecController
@@ -200,7 +200,7 @@ def test_the_same_fault_after_warm_up_fails_only_the_request_that_takes_it(
 def test_the_daemon_exits_70_naming_a_fault_on_the_logprobs_path(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     plant_in_scheduler(tmp_path, monkeypatch, """
-        from specd.workers import model_runner
+        from specd.workers.runner import model_runner
 
         original = model_runner.ModelRunner.logprobs
 

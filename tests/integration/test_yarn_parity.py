@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from specd.workers.attention import build_attention_metadata
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.loader import load_model
+from specd.workers.runner.attention import build_attention_metadata
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from specd.kernels.int4_layout import (
     unpack_int4,
     unpack_zero_point,
 )
-from specd.workers.quantization import pack_int4
+from specd.workers.models.quantization import pack_int4
 
 ct_pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.base")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402

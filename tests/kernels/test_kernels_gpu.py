@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from specd.kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from specd.kernels.int4_layout import column_major
 from specd.kernels.tree_attention import tree_attention, tree_attention_ref
-from specd.workers.quantization import quantize_rtn
+from specd.workers.models.quantization import quantize_rtn
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,7 +1,7 @@
 """The fused INT4 MoE: the alignment's invariants, the torch reference against a brute-force
 loop over tokens with compressed-tensors' own decompression as the oracle, and the Triton
 kernels against the reference under TRITON_INTERPRET=1 on the CPU; the launcher's errors and
-workers/moe.py's dispatch.
+workers/models/moe.py's dispatch.
 
 Tolerances. Reference vs brute force (float32 activations, float64 loop): the same products
 summed in another order and precision, ~1e-7 relative to the terms, which cancel in places:
@@ -36,7 +36,7 @@ from specd.kernels.moe_w4a16 import (
     fused_moe_w4a16,
     fused_moe_w4a16_ref,
 )
-from specd.workers.moe import ExpertWeights, experts_forward
+from specd.workers.models.moe import ExpertWeights, experts_forward
 
 ct_pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.base")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specd.kernels.tree_attention import tree_attention, tree_attention_ref
-from specd.workers.attention import build_attention_metadata, paged_attention_cpu
+from specd.workers.runner.attention import build_attention_metadata, paged_attention_cpu
 
 
 def _random_tree_masks(num_tokens: int, gen: torch.Generator) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.workers.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.runner.attention import build_attention_metadata, paged_attention, store_kv
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 6, 8

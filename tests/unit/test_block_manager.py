@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.block_manager import BlockManager
-from specd.workers.sequence import Sequence
+from specd.workers.engine.block_manager import BlockManager
+from specd.workers.engine.sequence import Sequence
 
 BLOCK = 4
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specd.workers.attention import build_attention_metadata, paged_attention, store_kv
-from specd.workers.cpu_backend import CpuBackend
-from specd.workers.decode_stage import DecodeStage, assign_rows
+from specd.workers.runner.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.runner.cpu_backend import CpuBackend
+from specd.workers.runner.decode_stage import DecodeStage, assign_rows
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 4, 8

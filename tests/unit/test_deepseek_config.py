@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from specd.workers.deepseek_config import MlaConfig, MoeConfig
-from specd.workers.layers import RotaryEmbedding
-from specd.workers.model_config import ModelConfig, RopeScaling
-from specd.workers.rope import apply_rotary_interleaved, mla_softmax_scale, yarn_parameters
+from specd.workers.models.config import ModelConfig, RopeScaling
+from specd.workers.models.deepseek_config import MlaConfig, MoeConfig
+from specd.workers.models.layers import RotaryEmbedding
+from specd.workers.models.rope import apply_rotary_interleaved, mla_softmax_scale, yarn_parameters
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import _compute_yarn_parameters  # noqa: E402

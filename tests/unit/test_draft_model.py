@@ -315,7 +315,7 @@ def test_missing_files_and_embedding_raise(tmp_path):
 def test_paged_forward_matches_dense_for_chunks_and_a_tree(tmp_path):
     """The head over its own paged KV cache (the engine path) equals the dense forward:
     a 5-token chunk, a 2-token chunk, then a 3-node tree (root, two siblings)."""
-    from specd.workers.attention import build_attention_metadata
+    from specd.workers.runner.attention import build_attention_metadata
 
     head = load_draft_head(save(tmp_path / "head", published_tensors()), target_embedding())
     gen = torch.Generator().manual_seed(4)

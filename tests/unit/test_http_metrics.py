@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.daemon.http.metrics import ENGINE_METRICS, ENGINE_SPECIAL, Metrics
-from specd.workers.engine import EngineStats
+from specd.workers.engine.records import EngineStats
 
 ENGINE = {
     "num_running": 2, "num_waiting": 1, "num_kv_blocks": 100, "num_free_kv_blocks": 60,

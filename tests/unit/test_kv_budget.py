@@ -22,8 +22,9 @@ from specd.daemon.ctl import cli as ctl_cli
 from specd.daemon.ctl.common import Settings
 from specd.ipc.messages import StatusReply
 from specd.workers.config import CPU_KV_CACHE_BYTES, FIXTURE_DIR, EngineConfig
-from specd.workers.engine import EngineCore
-from specd.workers.kv_cache import (
+from specd.workers.engine.core import EngineCore
+from specd.workers.models.config import ModelConfig
+from specd.workers.runner.kv_cache import (
     DeviceMemory,
     KvBudget,
     device_kv_budget,
@@ -31,9 +32,8 @@ from specd.workers.kv_cache import (
     kv_budget,
     num_kv_blocks,
 )
-from specd.workers.memory_profile import measure_device_memory, profile_forward
-from specd.workers.model_config import ModelConfig
-from specd.workers.model_runner import ModelRunner
+from specd.workers.runner.memory_profile import measure_device_memory, profile_forward
+from specd.workers.runner.model_runner import ModelRunner
 
 GiB = 2**30
 # An H200-like device: 139 GiB, 16 GiB of weights and context in use, a 3 GiB peak.

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from specd.workers.config import FIXTURE_DIR, EngineConfig
-from specd.workers.kv_cache import (
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.decoder import DecoderForCausalLM
+from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specd.workers.runner.kv_cache import (
     allocate_kv_cache,
     kv_block_bytes,
     kv_bytes_per_token,
     num_kv_blocks,
 )
-from specd.workers.model_config import ModelConfig
-from specd.workers.models.decoder import DecoderForCausalLM
-from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 # A small DeepSeek-V3 config.json: 5 layers, latent 32 + rope 8 (no weights needed).
 DEEPSEEK = {

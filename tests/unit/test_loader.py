@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.loader import load_model
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB = 32, 2, 4, 2, 48, 50
 HEAD_DIM = HIDDEN // HEADS
@@ -184,8 +184,8 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor],
 
 
 def _load(cfg: ModelConfig) -> None:
-    from specd.workers.layers import dense_linear
-    from specd.workers.quantization import linear_factory_for
+    from specd.workers.models.layers import dense_linear
+    from specd.workers.models.quantization import linear_factory_for
 
     load_model(cfg, CPU, torch.float32, linear_factory_for(cfg.quantization_config,
                                                            dense_linear))
@@ -225,7 +225,7 @@ def test_int4_kv_b_proj_is_refused(moe_int4: tuple[Path, dict[str, torch.Tensor]
                                    tmp_path: Path) -> None:
     """MLA splits kv_b_proj into W_UK and W_UV at load, so it must stay dense: refused by
     name when the model is built, before any tensor is read."""
-    from specd.workers.quantization import quantize_rtn
+    from specd.workers.models.quantization import quantize_rtn
 
     src, tensors = moe_int4
     tensors = dict(tensors)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.workers.attention import build_attention_metadata
 from specd.workers.models.deepseek_v3 import latent_attention_group, store_latent
+from specd.workers.runner.attention import build_attention_metadata
 
 mla_kernel = pytest.importorskip("specd.kernels.mla_attention")
 

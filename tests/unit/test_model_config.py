@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from specd.workers.model_config import ModelConfig, RopeScaling
+from specd.workers.models.config import ModelConfig, RopeScaling
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 12,

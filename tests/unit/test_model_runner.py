@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.config import EngineConfig
-from specd.workers.cpu_backend import CpuBackend
-from specd.workers.kv_cache import kv_block_bytes
-from specd.workers.model_runner import ModelRunner, prepare_inputs
-from specd.workers.sequence import Sequence
+from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
+from specd.workers.engine.sequence import Sequence
+from specd.workers.runner.cpu_backend import CpuBackend
+from specd.workers.runner.kv_cache import kv_block_bytes
+from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,8 +163,8 @@ def test_half_precision_runs_close_to_float32(model_dir: Path, dtype: str) -> No
 def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
         monkeypatch: pytest.MonkeyPatch, device: str, stored: str | None, native_bf16: bool,
         expected: str) -> None:
-    from specd.workers.model_config import ModelConfig
-    from specd.workers.model_runner import resolve_dtype
+    from specd.workers.models.config import ModelConfig
+    from specd.workers.runner.dtypes import resolve_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
@@ -178,7 +178,7 @@ def test_auto_dtype_is_the_checkpoints_half_precision_where_native(
 
 
 def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) -> None:
-    from specd.workers.layers import PackedLinear, bf16_packing_unsupported
+    from specd.workers.models.layers import PackedLinear, bf16_packing_unsupported
 
     if (reason := bf16_packing_unsupported()) is not None:
         pytest.skip(f"this CPU cannot pack bf16 linears: {reason}")
@@ -200,8 +200,8 @@ def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) ->
 _AVX2_ONLY = """
 import sys, torch
 from specd.workers.config import EngineConfig
-from specd.workers.model_runner import ModelRunner
-from specd.workers.layers import bf16_packing_unsupported
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.models.layers import bf16_packing_unsupported
 assert bf16_packing_unsupported() is not None, "the ISA cap did not take"
 runner = ModelRunner(EngineConfig(model=sys.argv[1], dtype="bfloat16", num_kv_blocks=32))
 assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}

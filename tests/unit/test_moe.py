@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from specd.workers import moe as moe_module
-from specd.workers.deepseek_config import MoeConfig
-from specd.workers.moe import ExpertWeights, MoE, expert_target, experts_forward, route
+from specd.workers.models.deepseek_config import MoeConfig
+from specd.workers.models.moe import ExpertWeights, MoE, expert_target, experts_forward, route
+from specd.workers.models.registry import moe as moe_module
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2  # noqa: E402
@@ -241,10 +241,10 @@ def _dense(i: int, o: int, b: bool, n: tuple[str, ...]) -> torch.nn.Module:
 
 
 def test_experts_are_int4_exactly_when_the_quantization_config_quantizes_them() -> None:
-    from specd.workers.moe import RoutedExperts, build_routed_experts
-    from specd.workers.moe_int4 import Int4RoutedExperts
-    from specd.workers.quant_config import QuantConfig
-    from specd.workers.quantization import make_linear_factory
+    from specd.workers.models.moe import RoutedExperts, build_routed_experts
+    from specd.workers.models.moe_int4 import Int4RoutedExperts
+    from specd.workers.models.quant_config import QuantConfig
+    from specd.workers.models.quantization import make_linear_factory
 
     cfg = moe_config(moe_intermediate_size=32)
     kimi = make_linear_factory(QuantConfig(group_size=32, ignore=KIMI_IGNORE), _dense)
@@ -272,8 +272,8 @@ def test_int4_experts_load_per_expert_tensors_and_compute_their_dequantized_swig
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from specd.workers.moe_int4 import Int4RoutedExperts
-    from specd.workers.quantization import quantize_rtn
+    from specd.workers.models.moe_int4 import Int4RoutedExperts
+    from specd.workers.models.quantization import quantize_rtn
 
     inter = 32
     gen = torch.Generator().manual_seed(5)
@@ -305,7 +305,7 @@ def test_int4_experts_load_per_expert_tensors_and_compute_their_dequantized_swig
 
 
 def test_int4_experts_refuse_tensors_that_do_not_fit_naming_them() -> None:
-    from specd.workers.moe_int4 import Int4RoutedExperts
+    from specd.workers.models.moe_int4 import Int4RoutedExperts
 
     experts = Int4RoutedExperts(EXPERTS, HIDDEN, 32, "m.experts", 32, True)
     with pytest.raises(ValueError, match=r"m.experts.2.up_proj.weight_shape is \[32, 64\], "

@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from specd.workers.attention import AttentionMetadata, build_attention_metadata
 from specd.workers.parallel.worker import decode, encode
+from specd.workers.runner.attention import AttentionMetadata, build_attention_metadata
 
 
 def assert_same(a: object, b: object) -> None:

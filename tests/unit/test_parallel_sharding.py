@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR
-from specd.workers.layers import dense_linear
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
-from specd.workers.moe import MoE
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import dense_linear
+from specd.workers.models.loader import load_model
+from specd.workers.models.moe import MoE
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.expert_parallel import ExpertParallelMoE
 from specd.workers.parallel.loader import load_model_shard

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.sampler import penalize, probs_from_logits, sample
-from specd.workers.sequence import Sequence, any_counts_its_tokens
+from specd.workers.engine.sequence import Sequence, any_counts_its_tokens
+from specd.workers.runner.sampler import penalize, probs_from_logits, sample
 from specd.workers.spec.accept import accept_tree, penalize_tree
 from specd.workers.spec.tree import DraftTree, path_counts, tree_mask_from_parents
 

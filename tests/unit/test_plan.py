@@ -1,4 +1,4 @@
-"""`specctl plan` (workers/plan.py, workers/plan_weights.py, daemon/ctl/plan.py).
+"""`specctl plan` (workers/plan/deployment.py, workers/plan/weights.py, daemon/ctl/plan.py).
 
 Oracles: the tensors the engine actually builds and loads (parameters and buffers of the
 target and the EAGLE-3 head, each storage counted once; the KV tensors it allocates), a
@@ -25,17 +25,17 @@ from torch import nn
 import specd
 from specd.daemon.ctl.cli import cli
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES
-from specd.workers.kv_cache import allocate_kv_cache
-from specd.workers.layers import dense_linear
-from specd.workers.loader import load_model
-from specd.workers.model_config import ModelConfig
-from specd.workers.model_runner import linear_factory
-from specd.workers.models import MODEL_CLASSES, build_meta_model
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import dense_linear
+from specd.workers.models.linear_factory import linear_factory
+from specd.workers.models.loader import load_model
+from specd.workers.models.quantization import linear_factory_for
+from specd.workers.models.registry import MODEL_CLASSES, build_meta_model
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
-from specd.workers.plan import Plan, PlanOptions, make_plan
-from specd.workers.quantization import linear_factory_for
+from specd.workers.plan.deployment import Plan, PlanOptions, make_plan
+from specd.workers.runner.kv_cache import allocate_kv_cache
 from specd.workers.spec.draft_model import load_draft_head
 
 GIB = 2**30

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specd.workers.quantization import (
+from specd.workers.models.quantization import (
     Int4Linear,
     QuantConfig,
     dequantize_int4,
@@ -229,7 +229,7 @@ def test_asymmetric_and_channel_configs_round_trip_through_compressed_tensors(
 def test_older_compression_config_key_is_read(tmp_path: Path) -> None:
     """config.json's `compression_config` (older compressed-tensors exports) holds the same
     object as `quantization_config`."""
-    from specd.workers.model_config import ModelConfig
+    from specd.workers.models.config import ModelConfig
 
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.sampler import probs_from_logits, sample, sample_from_probs, top_logprobs
+from specd.workers.runner.sampler import probs_from_logits, sample, sample_from_probs, top_logprobs
 
 
 def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:

@@ -43,7 +43,7 @@ from specd.ipc.sampling import (
     MIN_INT64,
     SamplingParams,
 )
-from specd.workers.sampler import (
+from specd.workers.runner.sampler import (
     penalize,
     probs_from_logits,
     sample,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.batch import ModelOutput, ScheduledBatch
 from specd.workers.config import EngineConfig
-from specd.workers.scheduler import Scheduler
-from specd.workers.sequence import FinishReason, Sequence, SequenceStatus
+from specd.workers.engine.batch import ModelOutput, ScheduledBatch
+from specd.workers.engine.scheduler import Scheduler
+from specd.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK = 4
 EOS = 2

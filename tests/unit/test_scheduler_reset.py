@@ -1,12 +1,12 @@
-"""Scheduler after a failed step (workers/isolation.py): forgetting what was scheduled and
+"""Scheduler after a failed step (workers/engine/isolation.py): forgetting what was scheduled and
 not applied, running one sequence alone, and failing one request (no torch, no model)."""
 
 from __future__ import annotations
 
 from test_scheduler import BLOCK, make_scheduler, make_seq, plan, step
 
-from specd.workers.batch import ModelOutput
-from specd.workers.sequence import FinishReason, Sequence, SequenceStatus
+from specd.workers.engine.batch import ModelOutput
+from specd.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def test_reset_after_failure_forgets_the_unapplied_steps_and_recomputes_everyone() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from specd.workers.config import EngineConfig
-from specd.workers.engine_setup import max_model_len, requested_model_len
-from specd.workers.model_config import ModelConfig
+from specd.workers.engine.setup import max_model_len, requested_model_len
+from specd.workers.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 

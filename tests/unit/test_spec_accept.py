@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.sampler import probs_from_logits
+from specd.workers.runner.sampler import probs_from_logits
 from specd.workers.spec.accept import accept_greedy, accept_sampled, accept_tree
 from specd.workers.spec.tree import (
     DraftTree,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DRAFT_DIR, EngineConfig
-from specd.workers.engine import EngineCore
+from specd.workers.engine.core import EngineCore
 
 
 def _head_copy(tmp_path: Path) -> Path:

@@ -14,10 +14,10 @@ from typing import Any, cast
 import pytest
 
 from specd.ipc import messages as m
-from specd.workers.io_threads import LinkIO
 from specd.workers.parallel.driver import WorkerGroup
 from specd.workers.parallel.worker import heartbeats
-from specd.workers.stage_watch import StageWatch
+from specd.workers.process.io_threads import LinkIO
+from specd.workers.process.stage_watch import StageWatch
 
 SAMPLE_S = 0.1
 STOP_AFTER_S = 3.5

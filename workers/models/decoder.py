@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
-from specd.workers.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
 from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
 from specd.workers.parallel.vocab import make_embedding
+from specd.workers.runner.attention import AttentionMetadata, paged_attention, store_kv
 
 # (fused module, checkpoint module, shard index): how checkpoint tensors stack into fused ones.
 STACKED_PARAMS = (

@@ -3,7 +3,7 @@ mixture-of-experts layers after the first dense ones.
 
 Module names follow the checkpoints (`model.layers.{i}.self_attn.kv_b_proj`, ...,
 `model.layers.{i}.mlp.experts.{e}.gate_proj`) except that gate/up are fused into
-`gate_up_proj` (STACKED_PARAMS) and the routed experts are stacked (workers/moe.py).
+`gate_up_proj` (STACKED_PARAMS) and the routed experts are stacked (workers/models/moe.py).
 
 The paged cache holds, per layer, one row per token: `[num_blocks, block_size,
 kv_lora_rank + qk_rope_head_dim]` = [kv_a_layernorm(c_kv) ‖ rope(k_pe)], shared by every
@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.workers.attention import AttentionMetadata, QueryGroup
-from specd.workers.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
-from specd.workers.model_config import ModelConfig
-from specd.workers.moe import GatedMLP, MoE
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import LinearFactory, RMSNorm, RotaryEmbedding, apply_rotary
+from specd.workers.models.moe import GatedMLP, MoE
+from specd.workers.models.rope import apply_rotary_interleaved, mla_softmax_scale
 from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
 from specd.workers.parallel.expert_parallel import ExpertParallelMoE
 from specd.workers.parallel.vocab import make_embedding
-from specd.workers.rope import apply_rotary_interleaved, mla_softmax_scale
+from specd.workers.runner.attention import AttentionMetadata, QueryGroup
 
 # (fused module, checkpoint module, shard index), as decoder.STACKED_PARAMS.
 STACKED_PARAMS = (

@@ -34,12 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from specd.workers.attention import AttentionMetadata
 from specd.workers.config import EngineConfig
-from specd.workers.kv_cache import allocate_kv_cache
-from specd.workers.layers import LinearFactory
-from specd.workers.model_config import ModelConfig
-from specd.workers.models import CausalLM
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import LinearFactory
+from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.context import (
     COLLECTIVE_TIMEOUT,
     ParallelContext,
@@ -49,6 +47,8 @@ from specd.workers.parallel.context import (
 from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_worker
+from specd.workers.runner.attention import AttentionMetadata
+from specd.workers.runner.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("specd.parallel")
 

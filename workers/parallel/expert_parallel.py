@@ -16,9 +16,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from specd.workers.deepseek_config import MoeConfig
-from specd.workers.layers import LinearFactory
-from specd.workers.moe import GatedMLP, TopkRouter, build_routed_experts, experts_forward
+from specd.workers.models.deepseek_config import MoeConfig
+from specd.workers.models.layers import LinearFactory
+from specd.workers.models.moe import GatedMLP, TopkRouter, build_routed_experts, experts_forward
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.sharding import local_experts
 

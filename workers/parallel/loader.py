@@ -1,6 +1,6 @@
 """Load one rank's shard of a model: every checkpoint tensor read as the rank's slice only.
 
-The same contract as workers/loader.py (built on the meta device, then every tensor copied
+The same contract as workers/models/loader.py (built on the meta device, then every tensor copied
 into its parameter by its kind: plain, stacked q/k/v or gate/up, a routed expert's slice of
 the stacked experts, a module's own `load_weight` for INT4; every parameter loaded exactly
 once, ValueError naming what is wrong), with two differences: the model is the rank's
@@ -20,11 +20,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from specd.workers.layers import LinearFactory
-from specd.workers.loader import HARMLESS_SUFFIXES, LAYER_INDEX, checkpoint_files
-from specd.workers.model_config import ModelConfig
-from specd.workers.models import MODEL_CLASSES, STACKED_PARAMS, CausalLM
-from specd.workers.moe import expert_target
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.layers import LinearFactory
+from specd.workers.models.loader import HARMLESS_SUFFIXES, LAYER_INDEX, checkpoint_files
+from specd.workers.models.moe import expert_target
+from specd.workers.models.registry import MODEL_CLASSES, STACKED_PARAMS, CausalLM
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.sharding import (
     local_experts,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specd.workers.model_config import ModelConfig
+from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import ParallelContext
 
 COLUMN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj",

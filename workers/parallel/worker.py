@@ -27,9 +27,8 @@ import torch.distributed as dist
 
 from specd.logs import setup_logging
 from specd.workers.config import EngineConfig
-from specd.workers.kv_cache import allocate_kv_cache
-from specd.workers.model_config import ModelConfig
-from specd.workers.models import CausalLM
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.context import (
     COLLECTIVE_TIMEOUT,
     ParallelContext,
@@ -38,6 +37,7 @@ from specd.workers.parallel.context import (
 )
 from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
+from specd.workers.runner.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("specd.parallel")
 
@@ -74,7 +74,7 @@ def decode(data: bytes, device: torch.device) -> tuple[str, tuple[Any, ...]]:
 def run_worker(spec: RankSpec, conn: Connection) -> None:
     """The process entry of rank `spec.rank` (see module docstring)."""
     # Killed with rank 0 even when stopped or inside a collective (prctl(2)).
-    from specd.workers.scheduler_process import die_with_parent
+    from specd.workers.process.parent import die_with_parent
 
     die_with_parent(spec.parent_pid)
     setup_logging("json", spec.log_level)
@@ -91,7 +91,8 @@ def run_worker(spec: RankSpec, conn: Connection) -> None:
             par = ParallelContext(spec.rank, world, config.expert_parallel)
             model_config = ModelConfig.from_dir(config.model_path)
             # Imported here: the runner module imports this package's driver.
-            from specd.workers.model_runner import TORCH_DTYPES, linear_factory, resolve_dtype
+            from specd.workers.models.linear_factory import linear_factory
+            from specd.workers.runner.dtypes import TORCH_DTYPES, resolve_dtype
 
             dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
             model = load_model_shard(model_config, device, dtype, linear_factory(model_config),

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.host_copy import upload
-from specd.workers.sampler import (
+from specd.workers.runner.host_copy import upload
+from specd.workers.runner.sampler import (
     TokenHistory,
     apply_penalties,
     counted_histories,

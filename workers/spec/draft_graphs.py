@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.workers.graphs import CudaGraph, EagerGraph, capture_all, padded_size
+from specd.workers.runner.graphs import CudaGraph, EagerGraph, capture_all, padded_size
 from specd.workers.spec.tree import DraftTree
 
 MAX_GRAPH_PREFIX = 4096

@@ -29,7 +29,7 @@ the rule of the format that wrote it (`draft_config.AUX_ID_OFFSET`) into transfo
 k-1); the reference default for a target of L blocks is (2, L // 2, L - 3).
 
 The attention goes through `attend`: with a KV cache and attention metadata it writes this
-step's K/V into the paged cache and calls `specd.workers.attention.paged_attention`; without
+step's K/V into the paged cache and calls `specd.workers.runner.attention.paged_attention`; without
 them it is dense causal attention over one sequence (tests, the dense tools). The trainer
 uses `qkv`/`finish`/`logits` to run its own attention for training-time-test unrolling.
 """
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.workers.attention import AttentionMetadata, paged_attention, store_kv
-from specd.workers.layers import RMSNorm
+from specd.workers.models.layers import RMSNorm
+from specd.workers.runner.attention import AttentionMetadata, paged_attention, store_kv
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.head_files import read_head_tensors
 
@@ -115,7 +115,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
     """Attention for N query rows: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d].
 
     With `kv_cache` [2, num_blocks, block_size, kv_heads, d] and `meta` (AttentionMetadata of
-    `specd.workers.attention`), K/V are written at `meta.slot_mapping` and the paged
+    `specd.workers.runner.attention`), K/V are written at `meta.slot_mapping` and the paged
     attention runs over each sequence's cached prefix (tree mask as in the shared contract).
     Without them, the rows are one sequence attended causally (dense; tests and tools).
     """

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.workers.attention import build_attention_metadata
-from specd.workers.backend import DraftLoopShape
-from specd.workers.batch import ScheduledSequence
-from specd.workers.host_copy import HostCopy, upload
-from specd.workers.model_runner import ModelRunner
+from specd.workers.engine.batch import ScheduledSequence
+from specd.workers.runner.attention import build_attention_metadata
+from specd.workers.runner.backend import DraftLoopShape
+from specd.workers.runner.host_copy import HostCopy, upload
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.runner.step_inputs import token_slice
 from specd.workers.spec.accept import Acceptance
 from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 from specd.workers.spec.draft_model import DraftHead
@@ -40,7 +41,6 @@ from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted
 from specd.workers.spec.tree import build_tree, expand_tree, start_tree
 from specd.workers.spec.verify import block_tables, slots
-from specd.workers.step_inputs import token_slice
 
 
 @dataclass(frozen=True)

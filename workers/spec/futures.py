@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.workers.host_copy import upload
+from specd.workers.runner.host_copy import upload
 from specd.workers.spec.tree import DraftTree
 
 

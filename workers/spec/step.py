@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.workers import sampler
-from specd.workers.batch import ModelOutput, ScheduledSequence, TokenLogprobs
-from specd.workers.host_copy import HostCopy
-from specd.workers.model_runner import PendingOutput
-from specd.workers.sequence import Sequence as Seq
+from specd.workers.engine.batch import ModelOutput, ScheduledSequence, TokenLogprobs
+from specd.workers.engine.sequence import Sequence as Seq
+from specd.workers.runner import sampler
+from specd.workers.runner.host_copy import HostCopy
+from specd.workers.runner.model_runner import PendingOutput
 from specd.workers.spec.tree import check_parents
 
 

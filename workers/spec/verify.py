@@ -28,16 +28,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.workers.attention import build_attention_metadata
-from specd.workers.batch import ScheduledSequence
-from specd.workers.host_copy import HostCopy, upload
-from specd.workers.model_runner import ModelRunner
-from specd.workers.sequence import Sequence as Seq
+from specd.workers.engine.batch import ScheduledSequence
+from specd.workers.engine.sequence import Sequence as Seq
+from specd.workers.runner.attention import build_attention_metadata
+from specd.workers.runner.host_copy import HostCopy, upload
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.runner.step_inputs import StepInputs, token_slice
 from specd.workers.spec.accept import Acceptance, accept_tree, penalize_tree
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import HostTree, Verified
 from specd.workers.spec.tree import DraftTree, signed64
-from specd.workers.step_inputs import StepInputs, token_slice
 
 
 def verifies(s: ScheduledSequence) -> bool:

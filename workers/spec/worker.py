@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from specd.workers.batch import DraftTokenIds, ModelOutput, ScheduledBatch, ScheduledSequence
 from specd.workers.config import EngineConfig
-from specd.workers.host_copy import upload
-from specd.workers.model_runner import ModelRunner
-from specd.workers.sequence import Sequence as Seq
-from specd.workers.sequence import SequenceStatus, any_counts_its_tokens
+from specd.workers.engine.batch import DraftTokenIds, ModelOutput, ScheduledBatch, ScheduledSequence
+from specd.workers.engine.sequence import Sequence as Seq
+from specd.workers.engine.sequence import SequenceStatus, any_counts_its_tokens
+from specd.workers.runner.host_copy import upload
+from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.draft_model import DraftHead

@@ -1,0 +1,109 @@
+"""How an `EngineCore` is put together: its step worker (speculative with a draft model,
+plain without) and runner, the longest sequence served, and what it resolved (status).
+Warm-up is workers/engine/warmup.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specd.workers.config import EngineConfig, EngineResolved
+from specd.workers.engine.plain_worker import PlainWorker, StepWorker
+from specd.workers.models.config import ModelConfig
+from specd.workers.runner.kv_cache import KvBudget, kv_block_bytes, kv_bytes_per_token
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.spec.controller import SpecController, SpecEvent
+from specd.workers.spec.draft_config import resolve_aux_layer_ids
+from specd.workers.spec.draft_model import load_draft_head
+from specd.workers.spec.worker import SpeculativeWorker, read_draft_config, verify_query_len
+
+log = logging.getLogger("specd.engine")
+
+
+def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[Any]:
+    """The speculative worker (with its runner) when a draft model is configured, else the
+    plain worker. Every step raises out of here: an unreadable head, one that does not fit
+    the target, a bad controller configuration."""
+    # Refuse a length the model cannot serve (its limit, its sliding window) before any
+    # weight is read; `max_model_len` checks the same after the KV cache is sized.
+    requested_model_len(config, model_config)
+    path = config.draft_model_path
+    if config.speculative_algorithm is None or path is None:
+        return PlainWorker(ModelRunner(config, model_config))
+    draft_config = read_draft_config(path)
+    aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
+    # The head's K/V cache has the target's blocks: its bytes come from the same budget.
+    runner = ModelRunner(config, model_config, capture_layers=aux_layers,
+                         verify_shape=(verify_query_len(config), config.spec_topk > 1),
+                         extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
+                                                      * draft_config.head_dim))
+    # The head shares the target's token embedding unless its checkpoint has its own.
+    head = load_draft_head(path, runner.draft_embedding_weight(), dtype=runner.dtype,
+                           device=runner.device)
+    controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
+                                measure=config.spec_auto_measure)
+    return SpeculativeWorker(config, runner, head, controller)
+
+
+def engine_resolved(config: EngineConfig, worker: StepWorker[Any], model_config: ModelConfig,
+                    max_model_len: int) -> EngineResolved:
+    """What an engine of `config` found at start-up (`EngineCore.resolved`): its worker's
+    runner, graphs and KV budget, the model's EOS ids, the longest sequence served."""
+    runner = worker.runner
+    budget = runner.kv_budget
+    if config.num_kv_blocks is not None:  # the budget did not decide: report the blocks'
+        budget = KvBudget(runner.num_kv_blocks * kv_block_bytes(
+            runner.kv_model_config, config.block_size, runner.dtype), "num_kv_blocks")
+    return EngineResolved(
+        model_name=config.model_path.name,
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        dtype=runner.dtype_name,
+        device=config.device,
+        eos_token_ids=model_config.eos_token_ids,
+        speculative=worker.speculative,
+        overlap_schedule=config.overlap_enabled,
+        graphs=worker.graphs_status(),
+        graph_memory_bytes=worker.graph_memory_bytes,
+        linears=runner.backend.linears_status(),
+        # Per rank under tensor parallelism (the cache each rank holds).
+        kv_bytes_per_token=kv_bytes_per_token(runner.kv_model_config, runner.dtype),
+        kv_budget_bytes=budget.num_bytes,
+        kv_budget_source=budget.source,
+        kv_cache_tokens=runner.num_kv_blocks * config.block_size,
+        ranks=() if runner.driver is None else runner.driver.ranks(),
+        expert_parallel=config.expert_parallel,
+    )
+
+
+def log_switch(event: SpecEvent | None) -> None:
+    """One record per speculation switch (with its cause and figures)."""
+    if event is not None:
+        log.info("speculation %s", "on" if event.enabled else "off", extra=event.as_dict())
+
+
+def requested_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence asked for: `config.max_model_len`, else the model's limit
+    (max_position_embeddings). Raises a ValueError when it exceeds that limit or the
+    model's sliding window (`ModelConfig.served_len`)."""
+    return model_config.served_len(config.max_model_len)
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
+    """The longest sequence served: the configured value, else the model's limit capped by
+    what the KV cache can hold (a sequence that cannot fit the cache could never finish)."""
+    requested = requested_model_len(config, model_config)
+    capacity = num_kv_blocks * config.block_size
+    if config.max_model_len is None:
+        if capacity < requested:
+            log.info("max_model_len capped by the KV cache", extra={
+                "event": "max_model_len_capped", "max_position_embeddings": requested,
+                "kv_capacity_tokens": capacity})
+        return min(requested, capacity)
+    if requested > capacity:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the KV cache's capacity of "
+            f"{capacity} tokens ({num_kv_blocks} blocks of {config.block_size}); raise "
+            "kv_cache_memory_bytes or lower max_model_len")
+    return requested
