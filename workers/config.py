@@ -10,16 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specd.ipc.messages import SPEC_MODES
-
-FIXTURE_DIR = Path(__file__).resolve().parent / "fixture"
-FIXTURE_DRAFT_DIR = FIXTURE_DIR / "eagle3"
-FIXTURE_MOE_DIR = FIXTURE_DIR.parent / "fixture-moe"
-# The embedded models by name (`--model NAME`), each with its EAGLE-3 head: the dense
-# Llama (the default) and a small DeepSeek-V3 (MLA, MoE; tools/train_fixture.py).
-FIXTURES = {
-    "fixture": (FIXTURE_DIR, FIXTURE_DRAFT_DIR),
-    "fixture-moe": (FIXTURE_MOE_DIR, FIXTURE_MOE_DIR / "eagle3"),
-}
+from specd.workers.named_models import (  # noqa: F401 - the fixtures' paths, for tools
+    FIXTURE_DIR,
+    FIXTURE_DRAFT_DIR,
+    FIXTURE_MOE_DIR,
+    FIXTURES,
+    named_model,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 # The KV budget on the CPU when kv_cache_memory_bytes is not given (kv_cache.kv_budget).
@@ -30,10 +27,11 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 class EngineConfig:
     """Everything the engine needs to build itself.
 
-    model: a Hugging Face model directory, or the name of an embedded model (`FIXTURES`:
-        "fixture", "fixture-moe"; a name wins over a directory of that name, which
-        "./fixture-moe" reaches); None serves "fixture".
-    draft_model: an EAGLE-3 head directory; None takes an embedded model's own head (and
+    model: a Hugging Face model directory, or a model's name (named_models.py: "fixture",
+        "fixture-moe", "smollm2"; a name wins over a directory of that name, which
+        "./fixture-moe" reaches); None serves "fixture" (the daemon's own default is
+        `named_models.default_model`).
+    draft_model: an EAGLE-3 head directory; None takes a named model's own head (and
         none for other models).
     dtype: activation and unquantized weight dtype ("auto": see
         `runner.dtypes.resolve_dtype`; the checkpoint's half precision where the device
@@ -148,15 +146,15 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path:
-        fixture = FIXTURES.get(self.model or "fixture")
-        return fixture[0] if fixture is not None else Path(str(self.model))
+        named = named_model(self.model or "fixture")
+        return named.model_dir if named is not None else Path(str(self.model))
 
     @property
     def draft_model_path(self) -> Path | None:
         if self.draft_model:
             return Path(self.draft_model)
-        fixture = FIXTURES.get(self.model or "fixture")
-        return fixture[1] if fixture is not None else None
+        named = named_model(self.model or "fixture")
+        return named.draft_dir if named is not None else None
 
     @property
     def overlap_enabled(self) -> bool:

@@ -312,12 +312,13 @@ def doctor(ctx: click.Context, as_json: bool, log_file: Any) -> None:
 def _register_commands() -> None:
     """Commands that live in their own modules (owned with the features they drive)."""
     from specd.daemon.bench.command import bench
+    from specd.daemon.ctl.import_gguf import import_gguf
     from specd.daemon.ctl.plan import plan
     from specd.daemon.ctl.service_install import install_service
     from specd.daemon.ctl.top import top
     from specd.daemon.ctl.tune_spec import tune_spec
 
-    for command in (bench, top, tune_spec, install_service, plan):
+    for command in (bench, top, tune_spec, install_service, plan, import_gguf):
         cli.add_command(command)
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from specd.workers.models import moe as moe_module
 from specd.workers.models.deepseek_config import MoeConfig
 from specd.workers.models.moe import ExpertWeights, MoE, expert_target, experts_forward, route
-from specd.workers.models.registry import moe as moe_module
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2  # noqa: E402

@@ -13,6 +13,7 @@ from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.models.config import ModelConfig
+from specd.workers.named_models import ensure_imported, named_model
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **options)
+        named = named_model(self.config.model or "fixture")
+        if named is not None:
+            ensure_imported(named)  # a named model imported from a GGUF file, once
         # Token-id prompts work without a tokenizer (tiny test models have none).
         has_tokenizer = any((self.config.model_path / name).is_file()
                             for name in TOKENIZER_FILES)
