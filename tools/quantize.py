@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specd.workers.models.loader import INDEX_FILE, checkpoint_files
+from specd.workers.models.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from specd.workers.models.moe import EXPERT_TENSOR
 from specd.workers.models.quantization import QuantConfig, is_quantized, quantize_rtn
 
@@ -137,10 +137,10 @@ def quantize_checkpoint(src: Path, dst: Path, group_size: int, extra_ignore: lis
         save_file(out, str(dst / path.name), metadata={"format": "pt"})
         weight_map.update({name: path.name for name in out})
         total_bytes += sum(t.numel() * t.element_size() for t in out.values())
-    if (src / INDEX_FILE).is_file():
+    if (src / SAFETENSORS_INDEX).is_file():
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(
             weight_map.items()))}
-        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (dst / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     _copy_side_files(src, dst)
     config["quantization_config"] = qcfg.to_dict()
     with open(dst / "config.json", "w") as f:
@@ -180,7 +180,7 @@ def _quantize_file(path: Path, qcfg: QuantConfig, chosen: Callable[[str, int], b
 def _copy_side_files(src: Path, dst: Path) -> None:
     """Tokenizer, generation config, chat template, licence...: every top-level non-weight file."""
     for path in sorted(src.iterdir()):
-        if (path.is_file() and path.name not in ("config.json", INDEX_FILE)
+        if (path.is_file() and path.name not in ("config.json", SAFETENSORS_INDEX)
                 and not path.name.endswith(WEIGHT_SUFFIXES)):
             shutil.copy2(path, dst / path.name)
 

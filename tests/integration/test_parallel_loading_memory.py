@@ -27,7 +27,6 @@ from specd.workers.models.layers import dense_linear
 from specd.workers.models.loader import load_model
 from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import ParallelContext
-from specd.workers.parallel.loader import load_model_shard
 
 def status_kib(field):
     for line in open("/proc/self/status"):
@@ -40,11 +39,9 @@ cfg = ModelConfig.from_dir(model_dir)
 before = status_kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
-if world == 1:
-    model = load_model(cfg, torch.device("cpu"), torch.float32)
-else:
-    model = load_model_shard(cfg, torch.device("cpu"), torch.float32, dense_linear,
-                             ParallelContext(rank, world, bool(expert_parallel)))
+# One loader: size 1 (rank 0 of 1) is the one-process load.
+model = load_model(cfg, torch.device("cpu"), torch.float32, dense_linear,
+                   ParallelContext(rank, world, bool(expert_parallel)))
 print(json.dumps({"rise_bytes": (status_kib("VmHWM") - before) * 1024}))
 """
 

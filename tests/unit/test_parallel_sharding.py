@@ -1,4 +1,4 @@
-"""What each rank holds (workers/parallel/sharding.py, loader.py, expert_parallel.py),
+"""What each rank holds (workers/parallel/sharding.py, expert_parallel.py, the loader),
 checked in one process without a process group: the ranks' slices put side by side are
 the checkpoint's tensors, a rank reads only its part of the file, and expert-parallel
 ranks' partial MoE outputs add up to the whole MoE's."""
@@ -20,7 +20,6 @@ from specd.workers.models.loader import load_model
 from specd.workers.models.moe import MoE
 from specd.workers.parallel.context import ParallelContext
 from specd.workers.parallel.expert_parallel import ExpertParallelMoE
-from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import (
     WHOLE,
     TensorSlice,
@@ -100,7 +99,7 @@ def test_with_more_ranks_than_kv_heads_each_rank_holds_the_head_its_queries_shar
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_rank_shards_side_by_side_are_the_checkpoint(expert_parallel: bool) -> None:
     cfg = ModelConfig.from_dir(FIXTURE_MOE_DIR)
-    shards = [load_model_shard(cfg, CPU, torch.float32, dense_linear, par)
+    shards = [load_model(cfg, CPU, torch.float32, dense_linear, par)
               for par in ranks(2, expert_parallel)]
     full = {k: v.float() for k, v in load_file(FIXTURE_MOE_DIR / "model.safetensors").items()}
     params = [dict(s.named_parameters()) for s in shards]
@@ -136,7 +135,7 @@ def test_expert_parallel_partial_outputs_add_up_to_the_whole_moe() -> None:
     expected = moe.experts(x, ids, weights)
     total = torch.zeros_like(expected)
     for par in ranks(2, expert_parallel=True):
-        shard = load_model_shard(cfg, CPU, torch.float32, dense_linear, par)
+        shard = load_model(cfg, CPU, torch.float32, dense_linear, par)
         part = shard.model.layers[2].mlp
         assert isinstance(part, ExpertParallelMoE)
         total += part.dispatch_combine(x, ids, weights)
@@ -147,8 +146,8 @@ def test_a_rank_reads_about_half_the_bytes(caplog: pytest.LogCaptureFixture) -> 
     """Loading logs each rank's progress with the bytes it read: at size 2 about half the
     checkpoint (the replicated norms and latent projections are read by both)."""
     cfg = ModelConfig.from_dir(FIXTURE_DIR)
-    caplog.set_level("INFO", logger="specd.parallel")
-    load_model_shard(cfg, CPU, torch.float32, dense_linear, ParallelContext(1, 2))
+    caplog.set_level("INFO", logger="specd.loader")
+    load_model(cfg, CPU, torch.float32, dense_linear, ParallelContext(1, 2))
     records = [r for r in caplog.records if getattr(r, "event", "") == "rank_load_progress"]
     fields = [(r.__dict__["rank"], r.__dict__["files_done"], r.__dict__["files"])
               for r in records]  # extra fields of the record
@@ -168,6 +167,6 @@ def test_a_tensor_missing_from_the_checkpoint_fails_only_the_rank_that_needs_it(
     shutil.copy(FIXTURE_MOE_DIR / "config.json", tmp_path / "config.json")
     cfg = ModelConfig.from_dir(tmp_path)
     rank0, rank1 = ranks(2, expert_parallel=True)
-    load_model_shard(cfg, CPU, torch.float32, dense_linear, rank0)
+    load_model(cfg, CPU, torch.float32, dense_linear, rank0)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.w2 \(shard 2\)"):
-        load_model_shard(cfg, CPU, torch.float32, dense_linear, rank1)
+        load_model(cfg, CPU, torch.float32, dense_linear, rank1)

@@ -32,7 +32,6 @@ from specd.workers.models.loader import load_model
 from specd.workers.models.quantization import linear_factory_for
 from specd.workers.models.registry import MODEL_CLASSES, build_meta_model
 from specd.workers.parallel.context import ParallelContext
-from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.plan.deployment import Plan, PlanOptions, make_plan
 from specd.workers.runner.kv_cache import allocate_kv_cache
@@ -342,10 +341,10 @@ def test_two_ranks_halve_the_split_weights_and_keep_the_replicated_ones() -> Non
     ("fixture-moe", 2, True), ("fixture-moe", 4, True)])
 def test_plan_equals_the_shard_rank_zero_loads(model: str, n: int,
                                                expert_parallel: bool) -> None:
-    """workers/parallel's loader reads rank 0's slices in this process (no process group)."""
+    """The loader reads rank 0's slices in this process (no process group)."""
     cfg = ModelConfig.from_dir(FIXTURES[model][0])
-    shard = load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, dense_linear,
-                             ParallelContext(0, n, expert_parallel))
+    shard = load_model(cfg, torch.device("cpu"), torch.bfloat16, dense_linear,
+                       ParallelContext(0, n, expert_parallel))
     plan = make_plan(cfg.model_dir, None, PlanOptions(
         gpu_memory_bytes=GIB, tensor_parallel_size=n, expert_parallel=expert_parallel))
     assert plan.weight_bytes == _storage_bytes(shard)
@@ -357,8 +356,8 @@ def test_plan_equals_the_shard_rank_zero_loads(model: str, n: int,
 
 def test_int4_moe_plan_equals_the_shard_rank_zero_loads(int4_moe_fixture: Path) -> None:
     cfg = ModelConfig.from_dir(int4_moe_fixture)
-    shard = load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
-                             ParallelContext(0, 2, expert_parallel=True))
+    shard = load_model(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
+                       ParallelContext(0, 2, expert_parallel=True))
     plan = make_plan(int4_moe_fixture, None, PlanOptions(
         gpu_memory_bytes=GIB, tensor_parallel_size=2, expert_parallel=True))
     assert plan.weight_bytes == _storage_bytes(shard)
@@ -369,8 +368,8 @@ def test_int4_experts_split_into_partial_groups_are_refused_as_the_loader_refuse
     """The fixture's experts are 96 wide, 3 groups of 32: two ranks would hold 48 each."""
     cfg = ModelConfig.from_dir(int4_moe_fixture)
     with pytest.raises(ValueError, match="group_size 32 does not divide"):
-        load_model_shard(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
-                         ParallelContext(0, 2))
+        load_model(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
+                   ParallelContext(0, 2))
     result = _run(str(int4_moe_fixture), "-tp", "2", "--gpu-memory-gib", "1")
     assert result.exit_code == 2
     assert "48 input columns (per rank) are not whole INT4 groups of 32" in result.output

@@ -15,7 +15,8 @@ from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
 from specd.workers.spec.draft_config import resolve_aux_layer_ids
 from specd.workers.spec.draft_model import load_draft_head
-from specd.workers.spec.worker import SpeculativeWorker, read_draft_config, verify_query_len
+from specd.workers.spec.head_files import read_draft_config
+from specd.workers.spec.worker import SpeculativeWorker, verify_query_len
 
 log = logging.getLogger("specd.engine")
 

@@ -245,11 +245,19 @@ class ModelConfig:
         )
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; ValueError naming the file when it is missing, not JSON, or
-    not an object."""
+class MissingFileError(FileNotFoundError, ValueError):
+    """A file a model or draft head directory needs is absent: a missing file (what the engine
+    reports) and a wrong value of the option naming the directory (what `specctl plan`
+    reports as a usage error)."""
+
+
+def read_json_object(path: Path, needed_by: str = "a Hugging Face model directory",
+                     ) -> dict[str, Any]:
+    """The JSON object in `path` (config.json, generation_config.json; the one reader of a
+    model's or a draft head's): MissingFileError naming the file and what `needed_by` it when
+    it is absent, ValueError naming it when it is not JSON or not an object."""
     if not path.is_file():
-        raise ValueError(f"{path}: not found (a Hugging Face model directory needs it)")
+        raise MissingFileError(f"{path}: not found ({needed_by} needs it)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:

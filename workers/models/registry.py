@@ -20,6 +20,7 @@ from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.models.deepseek_config import MLA_ARCHITECTURE
 from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specd.workers.models.layers import LinearFactory, dense_linear
+from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
 
 CausalLM: TypeAlias = DecoderForCausalLM | DeepseekV3ForCausalLM
 
@@ -35,11 +36,13 @@ STACKED_PARAMS: dict[type[CausalLM], tuple[tuple[str, str, int], ...]] = {
 
 
 def build_meta_model(cfg: ModelConfig, device: torch.device,
-                     make_linear: LinearFactory = dense_linear) -> CausalLM:
-    """The model with every parameter on the meta device (no memory), ready for the loader."""
+                     make_linear: LinearFactory = dense_linear,
+                     par: ParallelContext = SINGLE_RANK) -> CausalLM:
+    """The model with every parameter on the meta device (no memory), ready for the loader;
+    under tensor parallelism rank `par.rank`'s (cfg: that rank's `shard_model_config`)."""
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"unsupported architecture {cfg.architecture!r}; "
                          f"supported: {', '.join(MODEL_CLASSES)}")
     with torch.device("meta"):
-        return cls(cfg, make_linear, device)
+        return cls(cfg, make_linear, device, par)

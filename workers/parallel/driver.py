@@ -37,6 +37,7 @@ from torch import nn
 from specd.workers.config import EngineConfig
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.layers import LinearFactory
+from specd.workers.models.loader import load_model
 from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.context import (
     COLLECTIVE_TIMEOUT,
@@ -44,7 +45,6 @@ from specd.workers.parallel.context import (
     init_group,
     rank_device,
 )
-from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_worker
 from specd.workers.runner.attention import AttentionMetadata
@@ -256,7 +256,7 @@ def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device
     try:
         # Rank 0 loads while the workers start (loading needs no process group); in the
         # waits below it reads the workers' beats, which the stage watch sees as progress.
-        local = load_model_shard(model_config, device, dtype, make_linear, par)
+        local = load_model(model_config, device, dtype, make_linear, par)
         # A worker that fails to start (an import) is seen here, not as a group that
         # never completes.
         workers.wait_for("joining", COLLECTIVE_TIMEOUT.total_seconds())

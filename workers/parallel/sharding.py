@@ -16,15 +16,19 @@ INT4 tensors (compressed-tensors `weight_packed` int32 [out, in/8], `weight_scal
 [out, in/group]) are sliced the same way along the same dimension; requiring every sliced
 dimension to divide evenly gives each rank whole int32 words and whole quantization groups.
 `weight_shape` becomes the rank's own [out, in].
+
+One process is a world of size 1 (`SINGLE_RANK`): every tensor is whole and every expert is
+local, so the one loader (workers/models/loader.py) asks `tensor_slice` whatever the size.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from specd.workers.models.checkpoint import WHOLE, TensorSlice
 from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import ParallelContext
 
@@ -33,22 +37,6 @@ COLUMN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"
 ROW_MODULES = frozenset({"o_proj", "down_proj"})
 # A routed expert's checkpoint tensor (dense or INT4): its expert index.
 EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """How a rank reads one checkpoint tensor: dim None = whole; else `length` elements from
-    `start` along `dim`. zeros: the rank holds zeros of the tensor's shape (a row-parallel
-    bias off rank 0); skip: the tensor is not this rank's (another rank's expert)."""
-
-    dim: int | None = None
-    start: int = 0
-    length: int = 0
-    zeros: bool = False
-    skip: bool = False
-
-
-WHOLE = TensorSlice()
 
 
 def shard_model_config(cfg: ModelConfig, par: ParallelContext) -> ModelConfig:
@@ -97,9 +85,18 @@ def local_experts(num_experts: int, par: ParallelContext) -> range:
     return range(start, start + length)
 
 
+def expert_shard_offset(param_name: str, cfg: ModelConfig, par: ParallelContext) -> int:
+    """Checkpoint shard - local shard of the stacked routed-expert parameter `param_name`:
+    under expert parallelism a rank's experts are numbered from its first one (`w13`, dense
+    or INT4, stacks gate and up: two shards an expert; `w2` one); 0 without it."""
+    first = local_experts(cfg.moe.num_routed_experts if cfg.moe else 0, par).start
+    return 2 * first if ".w13" in param_name else first
+
+
 def tensor_slice(name: str, shape: list[int], cfg: ModelConfig,
                  par: ParallelContext) -> TensorSlice:
-    """How rank `par.rank` reads checkpoint tensor `name` (weight prefix removed) of `shape`."""
+    """How rank `par.rank` reads checkpoint tensor `name` (weight prefix removed) of `shape`
+    (`WHOLE` at size 1)."""
     if not par.is_parallel:
         return WHOLE
     expert = EXPERT_INDEX.search(name)
@@ -130,18 +127,6 @@ def tensor_slice(name: str, shape: list[int], cfg: ModelConfig,
     return TensorSlice(dim=dim, start=start, length=length)
 
 
-def read_slice(handle: object, name: str, part: TensorSlice) -> torch.Tensor:
-    """The rank's part of tensor `name` from a `safe_open` file handle: only that part is
-    read (`get_slice`), never the whole tensor."""
-    view = handle.get_slice(name)  # type: ignore[attr-defined]  # safetensors' untyped handle
-    if part.zeros:
-        return torch.zeros(view.get_shape(), dtype=_TORCH_DTYPES[view.get_dtype()])
-    if part.dim is None:
-        return view[:]
-    end = part.start + part.length
-    return view[part.start:end] if part.dim == 0 else view[:, part.start:end]
-
-
 def local_weight_shape(name: str, full: torch.Tensor, cfg: ModelConfig,
                        par: ParallelContext) -> torch.Tensor:
     """An INT4 layer's `weight_shape` [out, in] -> this rank's [out, in] (the column or row
@@ -152,8 +137,3 @@ def local_weight_shape(name: str, full: torch.Tensor, cfg: ModelConfig,
     if part.dim is not None:
         shape[part.dim] = part.length
     return torch.tensor(shape, dtype=full.dtype)
-
-
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool}

@@ -1,6 +1,6 @@
 """Ranks 1..N-1: one process each, started by rank 0 (driver.py).
 
-A rank reports `joining`, joins the process group, loads its shard (parallel/loader.py)
+A rank reports `joining`, joins the process group, loads its shard (models/loader.py)
 while a thread reports `loading` every second (rank 0 reads those beats, which the
 scheduler's stage watch counts as progress, so a long load is not taken for a hang), then
 reports `ready` (or `failed` with the traceback) on its pipe. It then serves the calls
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from specd.logs import setup_logging
 from specd.workers.config import EngineConfig
 from specd.workers.models.config import ModelConfig
+from specd.workers.models.loader import load_model
 from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.context import (
     COLLECTIVE_TIMEOUT,
@@ -35,7 +36,6 @@ from specd.workers.parallel.context import (
     init_group,
     rank_device,
 )
-from specd.workers.parallel.loader import load_model_shard
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.runner.kv_cache import allocate_kv_cache
 
@@ -95,8 +95,7 @@ def run_worker(spec: RankSpec, conn: Connection) -> None:
             from specd.workers.runner.dtypes import TORCH_DTYPES, resolve_dtype
 
             dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
-            model = load_model_shard(model_config, device, dtype, linear_factory(model_config),
-                                     par)
+            model = load_model(model_config, device, dtype, linear_factory(model_config), par)
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         raise

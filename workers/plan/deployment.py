@@ -33,21 +33,21 @@ line passes the block count (--num-kv-blocks), so every rank holds the cache the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specd.workers.models.checkpoint import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    open_safetensors,
+    read_weight_map,
+)
 from specd.workers.models.config import ModelConfig, read_json_object
 from specd.workers.plan.weights import PlanOptions, WeightPart, draft_head_parts, target_parts
 from specd.workers.spec.draft_config import DraftConfig
-from specd.workers.spec.head_files import (
-    BIN_INDEX,
-    SAFETENSORS_FILE,
-    SAFETENSORS_INDEX,
-    find_weights,
-)
+from specd.workers.spec.head_files import BIN_INDEX, find_weights, read_draft_config
 
 __all__ = ["Plan", "PlanOptions", "WeightPart", "make_plan", "read_config", "read_draft"]
 
@@ -145,31 +145,24 @@ def read_draft(draft_dir: Path) -> tuple[DraftConfig, bool]:
     """(the head's config in any published format, whether its checkpoint carries its own
     token embedding). The second comes from the tensor names alone (`_head_tensor_names`);
     without a weights file the head is taken to share the target's, as published heads do."""
-    path = draft_dir / "config.json"
-    if not path.is_file():
-        raise ValueError(f"draft model: {path} not found")
-    try:
-        config = DraftConfig.from_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    config = read_draft_config(draft_dir)
     names = {name.removeprefix("model.") for name in _head_tensor_names(draft_dir)}
     return config, "embed_tokens.weight" in names
 
 
 def _head_tensor_names(draft_dir: Path) -> set[str]:
     """The head's tensor names as stored, read without their data (workers/spec/head_files.py
-    lists the layouts): a safetensors header (8-byte length, then JSON), an index's
-    weight_map, or a pickled state dict memory-mapped; empty when there are no weights."""
+    lists the layouts): a safetensors header, an index's weight_map, or a pickled state dict
+    memory-mapped; empty when there are no weights."""
     try:
         path = find_weights(draft_dir)
     except FileNotFoundError:
         return set()
     if path.name in (SAFETENSORS_INDEX, BIN_INDEX):
-        return set(json.loads(path.read_text())["weight_map"])
+        return {name for names in read_weight_map(path).values() for name in names}
     if path.name == SAFETENSORS_FILE:
-        with path.open("rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            return set(json.loads(f.read(length))) - {"__metadata__"}
+        with open_safetensors(path) as f:
+            return set(f.names())
     import torch  # a pickled head only: mapped, not read
 
     return set(torch.load(path, map_location="cpu", mmap=True, weights_only=True))

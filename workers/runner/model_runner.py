@@ -20,10 +20,9 @@ from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.layers import LinearFactory
 from specd.workers.models.linear_factory import linear_factory
-from specd.workers.models.loader import load_model
+from specd.workers.models.loader import load_model, read_full_tensor
 from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.driver import DriverModel, start_parallel_model
-from specd.workers.parallel.loader import read_full_tensor
 from specd.workers.runner import sampler
 from specd.workers.runner.backend import Backend, EagerBackend
 from specd.workers.runner.cpu_backend import CpuBackend

@@ -3,9 +3,9 @@
 Published architecture names: `LlamaForCausalLMEagle3` (SpecForge/SGLang),
 `Eagle3LlamaForCausalLM` (vLLM), `LlamaForCausalLM` with a `draft_vocab_size` (the original
 EAGLE-3 releases) and `Eagle3Speculator` (Speculators, config nested under
-`transformer_layer_config`); workers/spec/draft_config.py reads each, and
-workers/spec/head_files.py reads the weights (safetensors or `pytorch_model.bin`, single or
-sharded).
+`transformer_layer_config`); workers/spec/draft_config.py parses each, and
+workers/spec/head_files.py reads config.json and the weights (safetensors or
+`pytorch_model.bin`, single or sharded).
 
 One Llama decoder layer (`midlayer`) reads two inputs side by side: the token embedding
 and a hidden state. For a token that follows the verified prefix the hidden state is
@@ -36,7 +36,6 @@ uses `qkv`/`finish`/`logits` to run its own attention for training-time-test unr
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from torch import nn
 from specd.workers.models.layers import RMSNorm
 from specd.workers.runner.attention import AttentionMetadata, paged_attention, store_kv
 from specd.workers.spec.draft_config import DraftConfig
-from specd.workers.spec.head_files import read_head_tensors
+from specd.workers.spec.head_files import read_draft_config, read_head_tensors
 
 
 class Attention(nn.Module):
@@ -330,18 +329,7 @@ def load_draft_head(path: str | Path, target_embed_weight: torch.Tensor | None =
     the checkpoint carries none. Raises FileNotFoundError / ValueError naming the file.
     """
     root = Path(path)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"draft model: {config_path} not found (a head directory "
-                                "holds config.json and its weights)")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
-    try:
-        config = DraftConfig.from_dict(raw)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from e
+    config = read_draft_config(root)
     tensors, weights_path = read_head_tensors(root, device)
     with torch.device("meta"):
         head = DraftHead(config)

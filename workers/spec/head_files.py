@@ -1,4 +1,5 @@
-"""Reading a draft head's tensors from the file layouts heads are published in.
+"""Reading a draft head's files: its config.json (`read_draft_config`) and its tensors from
+the file layouts heads are published in.
 
 A head directory holds config.json and its weights in one of four layouts, looked for in
 this order (the first present is read, as transformers prefers safetensors when a release
@@ -11,26 +12,45 @@ ships both):
 | `pytorch_model.bin` | one pickled state dict (the original EAGLE-3 releases) |
 | `pytorch_model.bin.index.json` | pickled shards named by the index's `weight_map` |
 
-Pickled files are read with `torch.load(weights_only=True)`: tensors and plain containers
-only, never arbitrary objects, so a head file cannot run code. Names are returned as stored;
+Safetensors files, the indexes and config.json are read as the target's are
+(workers/models/checkpoint.py; `read_json_object` of workers/models/config.py). Pickled files
+are read with `torch.load(weights_only=True)`: tensors and plain containers only, never
+arbitrary objects, so a head file cannot run code. Names are returned as stored;
 `DraftHead.load_weights` maps the published spellings onto its own.
 """
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+from specd.workers.models.checkpoint import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    index_shards,
+    read_safetensors,
+    require_listed,
+)
+from specd.workers.models.config import read_json_object
+from specd.workers.spec.draft_config import DraftConfig
+
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, BIN_FILE, BIN_INDEX)
+
+
+def read_draft_config(root: Path) -> DraftConfig:
+    """The head's DraftConfig from `root`/config.json, in any published format. Raises
+    MissingFileError (a FileNotFoundError) when there is no config.json, ValueError naming
+    the file when it does not parse or names a value the head cannot have."""
+    path = Path(root) / "config.json"
+    raw = read_json_object(path, "a draft head directory")
+    try:
+        return DraftConfig.from_dict(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def find_weights(root: Path) -> Path:
@@ -47,23 +67,24 @@ def read_head_tensors(root: Path, device: str | torch.device = "cpu",
     """(every tensor by its stored name, the file read) for the head in `root`.
 
     ValueError naming the file for a truncated or corrupt weights file, an index that does
-    not parse or names a shard outside
-    `root` (FileNotFoundError for a shard that is absent), a shard missing a tensor its
-    index lists, a pickle that `weights_only` refuses or that is not a name -> tensor dict.
+    not parse or names a shard outside `root` (MissingFileError, a FileNotFoundError, for a
+    shard that is absent), a shard missing a tensor its index lists, a pickle that
+    `weights_only` refuses or that is not a name -> tensor dict.
     """
     path = find_weights(root)
-    if path.name in (SAFETENSORS_INDEX, BIN_INDEX):
-        return _read_sharded(path, device), path
-    return _read_file(path, device), path
+    if path.name not in (SAFETENSORS_INDEX, BIN_INDEX):
+        return _read_file(path, device), path
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in index_shards(path):
+        stored = _read_file(shard, device)
+        require_listed(shard, names, stored, path.name)
+        tensors.update({name: stored[name] for name in names})
+    return tensors, path
 
 
 def _read_file(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
     if path.name.endswith(".safetensors"):
-        try:
-            return load_file(str(path), device=str(device))
-        except SafetensorError as e:  # the target's loader words it the same way
-            raise ValueError(f"{path}: unreadable safetensors file, truncated or corrupt "
-                             f"({e})") from e
+        return read_safetensors(path, device)
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -77,30 +98,3 @@ def _read_file(path: Path, device: str | torch.device) -> dict[str, torch.Tensor
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise ValueError(f"{path}: not a state dict of named tensors")
     return state
-
-
-def _read_sharded(index: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index}: not an index with a weight_map ({e})") from e
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index}: weight_map must map tensor names to shard files")
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        # A shard is a file beside the index: no directories, so an index cannot point
-        # outside the head's folder.
-        if not isinstance(shard, str) or Path(shard).name != shard:
-            raise ValueError(f"{index}: shard {shard!r} of {name} is not a file name")
-        by_shard.setdefault(shard, []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard, names in sorted(by_shard.items()):
-        path = index.parent / shard
-        if not path.is_file():
-            raise FileNotFoundError(f"{index}: shard {path} not found")
-        stored = _read_file(path, device)
-        missing = sorted(set(names) - set(stored))
-        if missing:
-            raise ValueError(f"{path}: lacks tensors {missing} that {index.name} places in it")
-        tensors.update({name: stored[name] for name in names})
-    return tensors

@@ -30,11 +30,9 @@ positions [num_draft_computed, num_draft_computed + P)), written at its next cat
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -45,7 +43,6 @@ from specd.workers.engine.sequence import SequenceStatus, any_counts_its_tokens
 from specd.workers.runner.host_copy import upload
 from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
-from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.draft_model import DraftHead
 from specd.workers.spec.drafting import Drafter, PlainRows, VerifiedRows
 from specd.workers.spec.futures import DraftFutures
@@ -53,7 +50,7 @@ from specd.workers.spec.step import Drafted, HostTree, PendingSpec, SpecFigures
 from specd.workers.spec.streams import DraftStreams
 from specd.workers.spec.verify import Verifier, verifies
 
-__all__ = ["SpecFigures", "SpeculativeWorker", "read_draft_config", "verify_query_len"]
+__all__ = ["SpecFigures", "SpeculativeWorker", "verify_query_len"]
 
 
 @dataclass
@@ -385,15 +382,3 @@ def verify_query_len(config: EngineConfig) -> int:
     num_cands = topk + (steps - 1) * topk * topk
     return steps + 1 if topk == 1 else min(config.spec_num_draft_tokens, num_cands + 1)
 
-
-def read_draft_config(path: Path) -> DraftConfig:
-    """The head's DraftConfig from `path`/config.json (FileNotFoundError / ValueError naming
-    the file), read before the runner is built because it names the layers to capture."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"draft model: {config_path} not found")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
-    return DraftConfig.from_dict(raw)
