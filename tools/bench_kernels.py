@@ -1,6 +1,6 @@
 """Kernel benchmark (CUDA only): the INT4 GEMM against bf16 matmul, tree attention against SDPA.
 
-    python tools/bench_kernels.py --out bench_out/bench_kernels.json [--quick]
+    python -m tools.bench_kernels --out bench_out/bench_kernels.json [--quick]
 
 INT4 W4A16 GEMM (group 32) on Llama-3-8B projection shapes and Kimi-K2 expert shapes, given as
 in x out (K x N), at M = 1..128 rows, against `torch.matmul` on the same bf16 weight: time,
@@ -495,11 +495,9 @@ def run_host(result: dict[str, Any], out: Path) -> None:
     (fixture model, overlap off), eager and with CUDA graphs: tools/bench_overlap.py's
     measurement, whose host_busy_share is 1 - (time the host waited for the device) /
     (step time)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_overlap
-
     from specd.tokenizer import Tokenizer
     from specd.workers.config import FIXTURE_DIR
+    from tools import bench_overlap
 
     tok = Tokenizer.from_dir(FIXTURE_DIR)
     prompts = [tok.encode(p) for p in bench_overlap.load_prompts(1)]

@@ -11,33 +11,30 @@ adds:
 * the issue's targets judged on the report (tools/bench_targets.py): written into
   bench_serving.json ("targets") and bench_serving.md, and printed.
 
-    python tools/bench_serving.py --out-dir bench_out/serving
-    python tools/bench_serving.py --socket /run/specd/specd.sock --modes off,on --concurrency 1,8
+    python -m tools.bench_serving --out-dir bench_out/serving
+    python -m tools.bench_serving --socket /run/specd/specd.sock --modes off,on --concurrency 1,8
 """
 
 from __future__ import annotations
 
 import importlib.util
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_daemon import DaemonProcess  # noqa: E402
-from bench_targets import format_targets, judge  # noqa: E402
-
-from specd.daemon.bench import report as bench_report  # noqa: E402
-from specd.daemon.bench.command import (  # noqa: E402
+from specd.daemon.bench import report as bench_report
+from specd.daemon.bench.command import (
     Baseline,
     BaselineFactory,
     bench,
     bench_config,
     run_bench,
 )
-from specd.daemon.ctl.common import Settings  # noqa: E402
+from specd.daemon.ctl.common import Settings
+from tools.bench_daemon import DaemonProcess
+from tools.bench_targets import format_targets, judge
 
 
 def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: int,
@@ -46,10 +43,9 @@ def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: i
     so that both sides run the same weights and arithmetic."""
 
     def make(daemon: dict[str, Any]) -> Baseline:
-        from bench_baseline import Baseline as TransformersBaseline  # torch, transformers
-
         from specd.daemon.bench.sweep import load_prompts
         from specd.workers.config import FIXTURE_DIR
+        from tools.bench_baseline import Baseline as TransformersBaseline  # torch, transformers
 
         model_dir = model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
         click.echo(f"bench: transformers baseline on {model_dir}", err=True)

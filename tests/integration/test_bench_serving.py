@@ -14,19 +14,16 @@ against a stand-in client whose counts decide them."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from daemon_harness import Daemon
 
 from specd.daemon.ctl.cli import cli as specctl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_serving  # noqa: E402
+from tests.integration.daemon_harness import Daemon
+from tools import bench_serving
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 3

@@ -41,12 +41,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from daemon_harness import Daemon, model_under_test
 from tokenizers import Tokenizer as HFTokenizer
 
 from specd.ipc import messages as m
 from specd.ipc.framing import DEFAULT_MAX_FRAME_BYTES, HEADER, FrameCodec
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon, model_under_test
 
 SEED = 2025
 NUM_CLIENTS = 32

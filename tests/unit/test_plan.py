@@ -12,7 +12,6 @@ import copy
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,6 @@ from specd.workers.runner.kv_cache import allocate_kv_cache
 from specd.workers.spec.draft_model import load_draft_head
 
 GIB = 2**30
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-INTEGRATION_DIR = Path(__file__).resolve().parents[1] / "integration"
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
 KIMI_QUANTIZATION: dict[str, Any] = {
@@ -158,8 +155,7 @@ def test_bfloat16_plan_keeps_the_router_in_float32_as_the_loader_does() -> None:
 def int4_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dense fixture quantized by tools/quantize.py: INT4 decoder linears (group 32) but
     down_proj, whose 688 inputs are not whole groups, and lm_head, kept bf16."""
-    sys.path.insert(0, str(TOOLS_DIR))
-    import quantize as quantize_tool
+    from tools import quantize as quantize_tool
 
     dst = tmp_path_factory.mktemp("int4") / "fixture-int4"
     assert quantize_tool.main([str(FIXTURE_DIR), str(dst), "--group-size", "32",
@@ -183,8 +179,7 @@ def test_int4_plan_equals_the_int4_linears_the_loader_builds(int4_fixture: Path)
 def int4_moe_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The MoE fixture quantized by tools/quantize.py's MoE recipe (Kimi's layout: routed
     experts INT4, group 32, symmetric; the rest bf16)."""
-    sys.path.insert(0, str(TOOLS_DIR))
-    import quantize as quantize_tool
+    from tools import quantize as quantize_tool
 
     dst = tmp_path_factory.mktemp("int4-moe") / "fixture-moe-int4"
     assert quantize_tool.main([str(FIXTURE_MOE_DIR), str(dst), "--recipe", "moe"]) == 0
@@ -215,8 +210,7 @@ def test_asymmetric_int4_experts_count_their_zero_points(group_size: int | None,
     """Checkpoints written by compressed-tensors' own compressor (zero points packed along
     the output rows; channel-wise: one scale per row)."""
     pytest.importorskip("compressed_tensors")
-    sys.path.insert(0, str(INTEGRATION_DIR))
-    from ct_asymmetric import ct_scheme, write_checkpoint
+    from tests.integration.ct_asymmetric import ct_scheme, write_checkpoint
 
     expert = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj$")
     write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(group_size, False),
