@@ -1,4 +1,4 @@
-"""Overlap and CUDA-graph benchmark (issue 7): decode step time and tokens/s at batch 1, 8
+"""Overlap and CUDA-graph benchmark: decode step time and tokens/s at batch 1, 8
 and 32, plain decode and speculation (5-step chain), with overlap scheduling and CUDA
 graphs each off and on, and the share of the step the host is busy (not blocked waiting
 for the device's results).

@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 8): `specctl bench` plus what the product does not ship.
+"""Serving benchmark: `specctl bench` plus what the product does not ship.
 
 The benchmark itself is `specctl bench` (the package specd.daemon.bench), so it runs from
 an installed package too; every option of `specctl bench --help` works here. This script
@@ -8,7 +8,7 @@ adds:
   `--daemon-args` passed to `specd`), stopped afterwards;
 * the transformers `generate()` baseline at batch 1 (tools/bench_baseline.py), its rounds
   alternating with batch 1's, and `--batch1-pairs` prompts run alternately through both;
-* the issue's targets judged on the report (tools/bench_targets.py): written into
+* the serving targets judged on the report (tools/bench_targets.py): written into
   bench_serving.json ("targets") and bench_serving.md, and printed.
 
     python -m tools.bench_serving --out-dir bench_out/serving
@@ -73,7 +73,7 @@ def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: i
 def main(socket_path: Path | None, model: str | None, daemon_args: str, timeout: float,
          baseline: bool, baseline_prompts: int, baseline_model: Path | None,
          batch1_pairs: int, out_dir: Path, plots: bool, **sweep_options: Any) -> None:
-    """specctl bench with the transformers baseline and the issue's targets."""
+    """specctl bench with the transformers baseline and the serving targets."""
     settings = Settings(socket_path, timeout, False)
     config = bench_config(settings, batch1_pairs=batch1_pairs if baseline else 0,
                           **sweep_options)

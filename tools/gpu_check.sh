@@ -297,7 +297,7 @@ from pathlib import Path
 root, out, scratch, src = Path(root), Path(out), Path(scratch), Path(src)
 wheels = root / wheels if not Path(wheels).is_absolute() else Path(wheels)
 problems: list[str] = []
-# What the GPU image (KINDS.md's package list) provides: requirements these satisfy.
+# What the GPU machine's image provides: requirements these satisfy.
 IMAGE = {"torch", "triton", "transformers", "safetensors", "tokenizers", "jinja2", "uvloop",
          "click", "psutil", "sortedcontainers", "attrs", "numpy", "pytest", "matplotlib",
          "packaging", "filelock", "huggingface-hub", "pyyaml", "regex", "requests", "tqdm",

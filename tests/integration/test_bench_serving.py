@@ -1,6 +1,6 @@
 """The serving benchmark for a few seconds against the real daemon (fixture model unless
 $SPECD_TEST_MODEL), through `tools/bench_serving.py` (`specctl bench` plus the transformers
-baseline and the issue's targets) and `specctl bench` itself: every field of its JSON
+baseline and the serving targets) and `specctl bench` itself: every field of its JSON
 present, the figures positive and consistent with each other (tokens counted by the daemon
 = tokens received by the client = requests x max_tokens), the paired windows and batch-1
 pairs the targets read, the transformers baseline in the same report, and the PNG plots

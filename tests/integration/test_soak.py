@@ -1,4 +1,4 @@
-"""Soak and fuzz (issue 25): 32 concurrent clients drive one real daemon (front + scheduler,
+"""Soak and fuzz: 32 concurrent clients drive one real daemon (front + scheduler,
 speculation in its default auto mode) with a seeded random mix, for a bounded time:
 
 * generates: prompts in the fixture's style (Python), as text, token ids or chat messages;

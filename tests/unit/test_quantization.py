@@ -38,7 +38,7 @@ from specd.workers.models.quantization import (
 )
 from tools import quantize as quantize_tool
 
-# Kimi-K2-Thinking's quantization_config (docs: shared/notes/kernels.md section 1.3).
+# Kimi-K2-Thinking's quantization_config: only the routed experts INT4 (group 32, symmetric).
 KIMI_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "quantization_status": "compressed", "kv_cache_scheme": None,
