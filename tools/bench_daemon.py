@@ -8,7 +8,7 @@ same difference per engine step). Greedy, `ignore_eos`, fixed `--max-tokens`. Th
 started here on a private socket unless `--socket` names a running one. Prints a table
 and writes JSON.
 
-    python tools/bench_daemon.py --out bench_out/bench_daemon.json [--device cuda]
+    python -m tools.bench_daemon --out bench_out/bench_daemon.json [--device cuda]
 
 `--device` serves both paths there (default: cuda when available, else cpu). The JSON is
 rewritten after each concurrency, so a run cut short keeps what it measured.
@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-import specd  # noqa: E402
-from specd.client import AsyncClient, Client, DaemonUnavailable, SpecdError  # noqa: E402
+import specd
+from specd.client import AsyncClient, Client, DaemonUnavailable, SpecdError
+from tools.workload import load_prompts
 
 READY_TIMEOUT_S = 600.0
 

@@ -6,7 +6,7 @@ prompts at batch 1. The batch-1 figures of both systems are medians over `--roun
 alternating rounds (this class of machine drifts by tens of percent within minutes). Prints
 a table and writes JSON.
 
-    python tools/bench_engine.py --out bench_out/bench_engine.json [--device cuda]
+    python -m tools.bench_engine --out bench_out/bench_engine.json [--device cuda]
 
 `--device` runs both systems there (default: cuda when available, else cpu). The JSON is
 written after the batch-1 rounds and after each concurrency, so a run cut short keeps what
@@ -20,18 +20,15 @@ import json
 import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-import specd  # noqa: E402
-from specd.workers.config import FIXTURE_DIR  # noqa: E402
+import specd
+from specd.workers.config import FIXTURE_DIR
+from tools.workload import load_prompts
 
 
 def bench_specd(engine: specd.Engine, prompts: list[str], max_tokens: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ itself. The daemon is started here (fixture model unless --model) with `--http` 
 loopback port and `--no-spec-auto-measure`, so both protocols get the same speculation
 decisions for the same batch. Prints a table, writes JSON.
 
-    python tools/bench_http.py --torch-threads 1 --out bench_out/bench_http.json
+    python -m tools.bench_http --torch-threads 1 --out bench_out/bench_http.json
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-from specd.client import AsyncClient, Client, DaemonUnavailable, SpecdError  # noqa: E402
+from specd.client import AsyncClient, Client, DaemonUnavailable, SpecdError
+from tools.workload import load_prompts
 
 READY_TIMEOUT_S = 600.0
 USAGE_TAIL_BYTES = 4096  # the stream's last bytes kept: the usage chunk and [DONE]

@@ -1,11 +1,11 @@
 """Kernel benchmark (CUDA only): the INT4 GEMM against bf16 matmul, tree attention against SDPA.
 
-    python tools/bench_kernels.py --out bench_out/bench_kernels.json [--quick]
+    python -m tools.bench_kernels --out bench_out/bench_kernels.json [--quick]
 
 INT4 W4A16 GEMM (group 32) on Llama-3-8B projection shapes and Kimi-K2 expert shapes, given as
 in x out (K x N), at M = 1..128 rows, against `torch.matmul` on the same bf16 weight: time,
 speedup, and achieved bandwidth (weights + scales + activations + output bytes over time)
-against the H200's 4.8 TB/s. Targets (issue 4): >= 3.0x and >= 80% of peak at M <= 16, faster
+against the H200's 4.8 TB/s. Targets: >= 3.0x and >= 80% of peak at M <= 16, faster
 than bf16 at M = 64.
 
 Tree attention (Llama-3-8B heads: 32 query, 8 KV, head_dim 128; batch 4; block size 16) for
@@ -20,7 +20,7 @@ latents already gathered contiguous ([q_latent | q_pe] against the 576-wide rows
 512 values): time, achieved bandwidth (latent bytes over time) and TFLOP/s. No target is set
 yet; the GPU figures are owed. `--mla-only` runs this part alone.
 
-Against the limit (issue 24): the run first measures the device's copy bandwidth (a Triton
+Against the limit: the run first measures the device's copy bandwidth (a Triton
 copy kernel and torch's `copy_` over 1 GiB, read + written bytes over time; the larger is the
 ceiling), and every row also reports its achieved bandwidth as a share of that measured
 ceiling (`*_bw_share`) beside the share of the nominal 4.8 TB/s (`*_bw_frac`). The GEMM runs
@@ -30,7 +30,7 @@ graphs off and on; tools/bench_overlap.py's measurement) and reports the share o
 the host is busy. `--parts` picks and orders the parts (default: bandwidth, gemm, tree, mla,
 host); the JSON is rewritten after each.
 
-Fused INT4 MoE (issue 19; `moe` part, last by default): kernels/moe_w4a16.py's
+Fused INT4 MoE (`moe` part, last by default): kernels/moe_w4a16.py's
 `fused_moe_w4a16` at Kimi-K2 shapes (hidden 7168, expert intermediate 2048, 384 experts, top 8,
 group 32, uniform random routing) for 1 to 64 tokens: the whole call (torch alignment, two
 launches, moe_sum) eagerly and replayed as a CUDA graph, eagerly with every weight tensor
@@ -495,11 +495,9 @@ def run_host(result: dict[str, Any], out: Path) -> None:
     (fixture model, overlap off), eager and with CUDA graphs: tools/bench_overlap.py's
     measurement, whose host_busy_share is 1 - (time the host waited for the device) /
     (step time)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_overlap
-
     from specd.tokenizer import Tokenizer
     from specd.workers.config import FIXTURE_DIR
+    from tools import bench_overlap
 
     tok = Tokenizer.from_dir(FIXTURE_DIR)
     prompts = [tok.encode(p) for p in bench_overlap.load_prompts(1)]

@@ -1,9 +1,9 @@
-"""Overlap and CUDA-graph benchmark (issue 7): decode step time and tokens/s at batch 1, 8
+"""Overlap and CUDA-graph benchmark: decode step time and tokens/s at batch 1, 8
 and 32, plain decode and speculation (5-step chain), with overlap scheduling and CUDA
 graphs each off and on, and the share of the step the host is busy (not blocked waiting
 for the device's results).
 
-    python tools/bench_overlap.py --device cuda --out bench_out/bench_overlap.json
+    python -m tools.bench_overlap --device cuda --out bench_out/bench_overlap.json
 
 On the CPU the "device" is the host: overlap cannot hide anything, the host is busy for
 the whole step, and graphs run as a synchronous stand-in (slower: it re-plans attention
@@ -17,22 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-from specd.ipc.sampling import SamplingParams  # noqa: E402
-from specd.tokenizer import Tokenizer  # noqa: E402
-from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
-from specd.workers.engine.core import EngineCore  # noqa: E402
-from specd.workers.runner.graph_backend import GraphBackend  # noqa: E402
-from specd.workers.runner.host_copy import HostCopy  # noqa: E402
+from specd.ipc.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
+from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.engine.core import EngineCore
+from specd.workers.runner.graph_backend import GraphBackend
+from specd.workers.runner.host_copy import HostCopy
+from tools.workload import load_prompts
 
 MODES: dict[str, dict[str, Any]] = {"plain": {"speculative_algorithm": None},
                                    "spec chain5": {"spec_mode": "on", "spec_topk": 1,

@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 8): `specctl bench` plus what the product does not ship.
+"""Serving benchmark: `specctl bench` plus what the product does not ship.
 
 The benchmark itself is `specctl bench` (the package specd.daemon.bench), so it runs from
 an installed package too; every option of `specctl bench --help` works here. This script
@@ -8,36 +8,33 @@ adds:
   `--daemon-args` passed to `specd`), stopped afterwards;
 * the transformers `generate()` baseline at batch 1 (tools/bench_baseline.py), its rounds
   alternating with batch 1's, and `--batch1-pairs` prompts run alternately through both;
-* the issue's targets judged on the report (tools/bench_targets.py): written into
+* the serving targets judged on the report (tools/bench_targets.py): written into
   bench_serving.json ("targets") and bench_serving.md, and printed.
 
-    python tools/bench_serving.py --out-dir bench_out/serving
-    python tools/bench_serving.py --socket /run/specd/specd.sock --modes off,on --concurrency 1,8
+    python -m tools.bench_serving --out-dir bench_out/serving
+    python -m tools.bench_serving --socket /run/specd/specd.sock --modes off,on --concurrency 1,8
 """
 
 from __future__ import annotations
 
 import importlib.util
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_daemon import DaemonProcess  # noqa: E402
-from bench_targets import format_targets, judge  # noqa: E402
-
-from specd.daemon.bench import report as bench_report  # noqa: E402
-from specd.daemon.bench.command import (  # noqa: E402
+from specd.daemon.bench import report as bench_report
+from specd.daemon.bench.command import (
     Baseline,
     BaselineFactory,
     bench,
     bench_config,
     run_bench,
 )
-from specd.daemon.ctl.common import Settings  # noqa: E402
+from specd.daemon.ctl.common import Settings
+from tools.bench_daemon import DaemonProcess
+from tools.bench_targets import format_targets, judge
 
 
 def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: int,
@@ -46,10 +43,9 @@ def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: i
     so that both sides run the same weights and arithmetic."""
 
     def make(daemon: dict[str, Any]) -> Baseline:
-        from bench_baseline import Baseline as TransformersBaseline  # torch, transformers
-
         from specd.daemon.bench.sweep import load_prompts
         from specd.workers.config import FIXTURE_DIR
+        from tools.bench_baseline import Baseline as TransformersBaseline  # torch, transformers
 
         model_dir = model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
         click.echo(f"bench: transformers baseline on {model_dir}", err=True)
@@ -77,7 +73,7 @@ def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: i
 def main(socket_path: Path | None, model: str | None, daemon_args: str, timeout: float,
          baseline: bool, baseline_prompts: int, baseline_model: Path | None,
          batch1_pairs: int, out_dir: Path, plots: bool, **sweep_options: Any) -> None:
-    """specctl bench with the transformers baseline and the issue's targets."""
+    """specctl bench with the transformers baseline and the serving targets."""
     settings = Settings(socket_path, timeout, False)
     config = bench_config(settings, batch1_pairs=batch1_pairs if baseline else 0,
                           **sweep_options)

@@ -25,8 +25,8 @@ eagerly, and 1 - graph/eager is the host-overhead share of an eager batch-1 step
 CPU it runs eagerly, and `--shapes reduced` (the default there) shrinks the model so that a
 test can check the table and JSON in seconds; CPU timings mean nothing for the GPU.
 
-    python tools/bench_shapes.py --device cuda --out bench_out/bench_shapes.json
-    python tools/bench_shapes.py --device cpu --shapes reduced --out /tmp/shapes.json
+    python -m tools.bench_shapes --device cuda --out bench_out/bench_shapes.json
+    python -m tools.bench_shapes --device cpu --shapes reduced --out /tmp/shapes.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 3. Throughput (output tokens/s) at 1, 4, 16, 64 concurrent requests for off, on and auto.
 
 Prints a table and writes bench_out/bench_spec.json (rewritten after each section, so a run
-cut short keeps what it measured). Run: python tools/bench_spec.py [--device cuda]
+cut short keeps what it measured). Run: python -m tools.bench_spec [--device cuda]
 (default: cuda when available, else cpu).
 """
 
@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-from specd.ipc.sampling import SamplingParams  # noqa: E402
-from specd.tokenizer import Tokenizer  # noqa: E402
-from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
-from specd.workers.engine.core import EngineCore  # noqa: E402
+from specd.ipc.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
+from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.engine.core import EngineCore
+from tools.workload import load_prompts
 
 # EngineConfig keyword arguments per draft shape (Any: they are passed as **options)
 SHAPES: dict[str, dict[str, Any]] = {

@@ -1,9 +1,9 @@
-"""The serving benchmark's targets from issue 8, judged on a report of `specctl bench`
+"""The serving benchmark's targets, judged on a report of `specctl bench`
 (`tools/bench_serving.py` adds them to the report it writes): `auto` at least AUTO_TARGET
 times the better of `on` and `off` at every concurrency; specd at batch 1 (spec on) at
 least BASELINE_TARGET times transformers `generate()` (tools/bench_baseline.py).
 
-These are the issue's numbers, not a property of the product: specd's own report gives the
+These are goals set for specd, not a property of the product: specd's own report gives the
 figures (points, medians over rounds, paired windows, batch-1 pairs) and judges nothing.
 """
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on this machine: start-up time and greedy decode throughput of an
 embedded fixture at tensor-parallel sizes 1 and 2 (workers/parallel/).
 
-    python tools/bench_tensor_parallel.py [--model fixture|fixture-moe] [--tokens 32]
+    python -m tools.bench_tensor_parallel [--model fixture|fixture-moe] [--tokens 32]
         [--batch 4] [--expert-parallel] [--json out.json]
 
 Each size builds an `EngineCore` (float32, speculation off), times the build, then runs
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,7 @@ import torch
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-from heldout import heldout_prompt_ids  # noqa: E402  (tests/ is not a package)
+from tests.integration.heldout import heldout_prompt_ids
 
 
 def measure(model: str, size: int, tokens: int, batch: int, expert_parallel: bool

@@ -1,6 +1,6 @@
 """Acceptance of an EAGLE-3 head, measured by a dense simulation of greedy speculative decoding.
 
-    python tools/eval_eagle3.py --target workers/fixture --draft workers/fixture/eagle3
+    python -m tools.eval_eagle3 --target workers/fixture --draft workers/fixture/eagle3
 
 The target runs in transformers (KV cache, tree mask as a 4D attention mask); the head runs
 its dense forward over the whole draft sequence each step (`DraftHead.forward_dense`), with
@@ -26,10 +26,8 @@ from specd.workers.spec.accept import accept_greedy
 from specd.workers.spec.draft_config import resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead, load_draft_head
 from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_eagle3 import greedy_continue, load_target  # noqa: E402
-from workload import PROMPTS_FILE, load_prompts  # noqa: E402
+from tools.train_eagle3 import greedy_continue, load_target
+from tools.workload import PROMPTS_FILE, load_prompts
 
 
 def heldout_prompts(target_dir: Path, num: int) -> list[list[int]]:

@@ -11,8 +11,9 @@
 #            tools/fetch_gpu_wheels.sh) with pip --no-index into a private folder
 #            (WHEELS=none skips this on a machine that has specd's dependencies)
 #   specd    makes specd importable without pip: a link farm built from pyproject.toml's
-#            package-dir, first on PYTHONPATH, with PYTHONSAFEPATH=1 so that the checkout's
-#            own specd/ folder (the root package alone) never shadows it
+#            package-dir, with the checkout's tools/ beside it (the tools run as
+#            `python -m tools.NAME`), first on PYTHONPATH, with PYTHONSAFEPATH=1 so that the
+#            checkout's own specd/ folder (the root package alone) never shadows it
 #   imports  imports every module specd, its tools and the GPU tests need, printing versions
 #   device   nvidia-smi, torch and triton versions; a CUDA device is required
 # Measurements, most valuable first, each under its own time limit (`timeout`), each writing
@@ -148,23 +149,26 @@ plan() {
         kernels_args=(--quick)
         shapes_args=(--batch-sizes "1,8,64" --tokens "1,6,16")
     fi
+    # pytest puts the checkout root first on sys.path (pyproject.toml's pythonpath) for the
+    # tests' `tests.*` and `tools.*` imports; specd then comes from the checkout's specd/,
+    # whose __init__ maps the subpackages onto the same folders as the link farm.
     step gpu-tests 80 - -- "$PY" -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider \
         tests/kernels/test_kernels_gpu.py tests/integration/test_graphs.py \
         tests/integration/test_overlap.py tests/integration/test_int4_model.py \
         tests/integration/test_kv_budget_gpu.py tests/integration/test_tensor_parallel_gpu.py
-    step kernels 100 bench_kernels.json -- "$PY" tools/bench_kernels.py \
+    step kernels 100 bench_kernels.json -- "$PY" -m tools.bench_kernels \
         --out "$OUT/bench_kernels.json" --group-sizes 32,128 "${kernels_args[@]}"
-    step overlap 40 bench_overlap.json -- "$PY" tools/bench_overlap.py --device cuda \
+    step overlap 40 bench_overlap.json -- "$PY" -m tools.bench_overlap --device cuda \
         --batch-sizes 1,8 --max-tokens 32 --out "$OUT/bench_overlap.json"
-    step spec 35 bench_spec.json -- "$PY" tools/bench_spec.py --device cuda --repeats 1 \
+    step spec 35 bench_spec.json -- "$PY" -m tools.bench_spec --device cuda --repeats 1 \
         --concurrency 1 16 64 --out "$OUT/bench_spec.json"
-    step shapes 70 bench_shapes.json -- "$PY" tools/bench_shapes.py --device cuda \
+    step shapes 70 bench_shapes.json -- "$PY" -m tools.bench_shapes --device cuda \
         --out "$OUT/bench_shapes.json" "${shapes_args[@]}"
-    step engine 20 bench_engine.json -- "$PY" tools/bench_engine.py --device cuda --rounds 1 \
+    step engine 20 bench_engine.json -- "$PY" -m tools.bench_engine --device cuda --rounds 1 \
         --out "$OUT/bench_engine.json"
-    step daemon 20 bench_daemon.json -- "$PY" tools/bench_daemon.py --device cuda --repeats 1 \
+    step daemon 20 bench_daemon.json -- "$PY" -m tools.bench_daemon --device cuda --repeats 1 \
         --out "$OUT/bench_daemon.json"
-    step serving 35 bench_serving.json -- "$PY" tools/bench_serving.py \
+    step serving 35 bench_serving.json -- "$PY" -m tools.bench_serving \
         --daemon-args "--device cuda" --no-baseline --modes off,on --concurrency 1,16 \
         --max-tokens 64 --paired-cycles 0 --no-plots --out-dir "$SCRATCH/serving"
     collect "$SCRATCH/serving/bench_serving.json" bench_serving.json
@@ -172,7 +176,9 @@ plan() {
 
 # ----------------------------------------------------------------------------- set-up
 # The link farm: specd/ holds links to the root package's files and one link per
-# subpackage folder of pyproject.toml's package-dir (specd.daemon -> daemon/, ...).
+# subpackage folder of pyproject.toml's package-dir (specd.daemon -> daemon/, ...); tools/
+# is linked beside it, so that `python -m tools.NAME` finds the tools without the checkout
+# root on sys.path.
 cat >"$WORK/link_farm.py" <<'PYEOF'
 import sys
 import tomllib
@@ -189,6 +195,8 @@ for package, folder in sorted(dirs.items()):
     link = dest.joinpath(*package.split("."))
     if package != "specd" and not link.exists():
         link.symlink_to((root / folder).resolve(), target_is_directory=True)
+if not (dest / "tools").exists():
+    (dest / "tools").symlink_to((root / "tools").resolve(), target_is_directory=True)
 PYEOF
 make_link_farm() { "$PY" "$WORK/link_farm.py" "$ROOT" "$SRC"; }
 
@@ -204,7 +212,7 @@ third_party = ["torch", "triton", "safetensors", "tokenizers", "jinja2", "zmq", 
                "hypothesis", "pytest", "matplotlib", "numpy"]
 ours = ["specd", "specd.workers.engine.core", "specd.kernels.int4_gemm",
         "specd.kernels.tree_attention", "specd.kernels.mla_attention", "specd.daemon.main",
-        "specd.daemon.ctl.cli", "specd.client"]
+        "specd.daemon.ctl.cli", "specd.client", "tools.workload"]
 missing = []
 for name in third_party + ours:
     try:
@@ -289,7 +297,7 @@ from pathlib import Path
 root, out, scratch, src = Path(root), Path(out), Path(scratch), Path(src)
 wheels = root / wheels if not Path(wheels).is_absolute() else Path(wheels)
 problems: list[str] = []
-# What the GPU image (KINDS.md's package list) provides: requirements these satisfy.
+# What the GPU machine's image provides: requirements these satisfy.
 IMAGE = {"torch", "triton", "transformers", "safetensors", "tokenizers", "jinja2", "uvloop",
          "click", "psutil", "sortedcontainers", "attrs", "numpy", "pytest", "matplotlib",
          "packaging", "filelock", "huggingface-hub", "pyyaml", "regex", "requests", "tqdm",
@@ -410,9 +418,9 @@ for s in steps:
     argv = s["argv"]
     if argv[1:3] == ["-m", "pytest"]:
         results[s["name"]] = check_pytest(s)
-    elif len(argv) > 1 and argv[1].startswith("tools/"):
-        if not (root / argv[1]).is_file():
-            results[s["name"]] = f"{argv[1]} does not exist"
+    elif argv[1:2] == ["-m"] and len(argv) > 2 and argv[2].startswith("tools."):
+        if not (root / (argv[2].replace(".", "/") + ".py")).is_file():
+            results[s["name"]] = f"{argv[2]} does not exist"
         else:
             tool_steps.append(s)
     else:
@@ -423,7 +431,6 @@ for s in steps:
 # (bench_serving's --daemon-args, bench_daemon's DaemonProcess) are parsed by specd's own.
 ARGCHECK = r'''
 import argparse, contextlib, io, json, runpy, shlex, sys
-from pathlib import Path
 import click
 
 class ArgsOK(Exception):
@@ -467,19 +474,17 @@ def main(self, *args, **kwargs):  # usage errors raised, not printed and exited
 argparse.ArgumentParser.parse_args = parse_args
 click.Command.invoke = invoke
 click.Command.main = main
-root = Path(sys.argv[1])
-sys.path.insert(0, str(root / "tools"))
-import bench_daemon
+from tools import bench_daemon
 bench_daemon.DaemonProcess = FakeDaemon
 results = []
-for spec in json.loads(sys.argv[2]):
+for spec in json.loads(sys.argv[1]):
     record.clear()
-    sys.argv = [str(root / spec["argv"][1]), *spec["argv"][2:]]
+    sys.argv = [spec["argv"][2], *spec["argv"][3:]]  # run_module sets argv[0] to the file
     err = io.StringIO()
     status = "ok"
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            runpy.run_module(spec["argv"][2], run_name="__main__", alter_sys=True)
         status = "ran past its argument parsing"
     except ArgsOK:
         pass
@@ -494,7 +499,7 @@ for spec in json.loads(sys.argv[2]):
 print("ARGCHECK " + json.dumps(results))
 '''
 if tool_steps:
-    proc = subprocess.run([sys.executable, "-c", ARGCHECK, str(root), json.dumps(tool_steps)],
+    proc = subprocess.run([sys.executable, "-c", ARGCHECK, json.dumps(tool_steps)],
                           cwd=root, capture_output=True, text=True, env=child_env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ARGCHECK ")), None)
     if line is None:

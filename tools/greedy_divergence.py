@@ -12,7 +12,7 @@ alone`: against plain decoding of one prompt at a time).
 Prints one line per dtype (prompts identical to the end, mean and median share of the
 output before the first differing token, the earliest divergence) and writes
 bench_out/greedy_divergence.json. Run:
-    python tools/greedy_divergence.py --dtypes float32 bfloat16 --prompts 32 --max-tokens 64
+    python -m tools.greedy_divergence --dtypes float32 bfloat16 --prompts 32 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import load_prompts  # noqa: E402
-
-from specd.ipc.sampling import SamplingParams  # noqa: E402
-from specd.tokenizer import Tokenizer  # noqa: E402
-from specd.workers.config import FIXTURE_DIR, EngineConfig  # noqa: E402
-from specd.workers.engine.core import EngineCore  # noqa: E402
+from specd.ipc.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
+from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.engine.core import EngineCore
+from tools.workload import load_prompts
 
 
 def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int,

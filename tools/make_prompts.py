@@ -4,18 +4,16 @@ Each prompt is a window of source lines from a held-out standard-library file (n
 on), ending with a `def` line, so that the continuation is a function body. Deterministic:
 the files and windows are chosen in sorted order.
 
-    python tools/make_prompts.py --out workers/fixture/heldout_prompts.jsonl
+    python -m tools.make_prompts --out workers/fixture/heldout_prompts.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixture import corpus_files, stdlib_root  # noqa: E402
+from tools.train_fixture import corpus_files, stdlib_root
 
 
 def prompts_from_file(text: str, context_lines: int, per_file: int) -> list[str]:

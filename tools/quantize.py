@@ -1,6 +1,6 @@
 r"""Quantize a bf16 checkpoint into a compressed-tensors `pack-quantized` INT4 (W4A16) one.
 
-    python tools/quantize.py SRC_DIR DST_DIR [--recipe dense|moe] [--group-size 32]
+    python -m tools.quantize SRC_DIR DST_DIR [--recipe dense|moe] [--group-size 32]
                              [--ignore PATTERN ...]
 
 Weights are quantized round-to-nearest, symmetric, per group of `group_size` input columns

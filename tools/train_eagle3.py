@@ -1,7 +1,7 @@
 """Train an EAGLE-3 draft head for a Hugging Face target (Llama-style, or DeepSeek-V3: the
 head is a Llama layer either way), on the CPU or a GPU.
 
-    python tools/train_eagle3.py --target workers/fixture --out workers/fixture/eagle3 --minutes 20
+    python -m tools.train_eagle3 --target workers/fixture --out workers/fixture/eagle3 --minutes 20
 
 Data. By default (`--data greedy`) the target continues prompts greedily: the head then
 learns the token stream it will see when serving greedy requests. Half the prompts end at a
@@ -40,10 +40,8 @@ from safetensors.torch import save_file
 
 from specd.workers.spec.draft_config import DraftConfig, aux_layer_ids_as, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_prompts import prompts_from_file  # noqa: E402
-from train_fixture import corpus_files, read_text, stdlib_root  # noqa: E402
+from tools.make_prompts import prompts_from_file
+from tools.train_fixture import corpus_files, read_text, stdlib_root
 
 LOSS_DECAY = 0.8  # weight of unrolled step k is LOSS_DECAY ** k, as in EAGLE-3
 

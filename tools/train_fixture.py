@@ -8,7 +8,7 @@ prompts from it. The output is a standard Hugging Face model directory that tran
 `AutoModelForCausalLM` and `AutoTokenizer` load as they are, plus `train_log.jsonl` (the
 loss curve) and `heldout_files.txt`.
 
-    python tools/train_fixture.py --out workers/fixture
+    python -m tools.train_fixture --out workers/fixture
 
 The committed fixture is this command's output with the defaults (5M tokens, batch 16 x 256,
 2 threads: 49 minutes on the 2-core VM, held-out loss 3.80 nats/token). Deterministic given
@@ -17,7 +17,7 @@ The committed fixture is this command's output with the defaults (5M tokens, bat
 
 The MoE fixture (`specd --model fixture-moe`; figures in docs/benchmarks.md) is
 
-    python tools/train_fixture.py --arch deepseek_v3 --tokenizer workers/fixture \
+    python -m tools.train_fixture --arch deepseek_v3 --tokenizer workers/fixture \
         --out workers/fixture-moe
 
 the same corpus and tokenizer, and DeepSeek-V3's architecture at a small size: MLA with a

@@ -8,7 +8,7 @@ steady, as a service's is: each request's length is drawn uniformly within +-50%
 lengths the clients moved in waves (all prefilling, all decoding, all ending together),
 and plain decode measured in waves ran up to twice as fast as under a steady load on the
 2-core CPU: the crossing measured in waves (21) turned speculation off at 32-64 requests
-where, under a steady load, it paid 1.5-1.7x (docs/benchmarks.md, seventh session).
+where, under a steady load, it paid 1.5-1.7x.
 
 From the engine's counters over a window in which every client has had its first request
 answered and two more per client are answered:
@@ -216,7 +216,7 @@ def recommend(rows: list[dict[str, Any]], engine_config: dict[str, Any]) -> dict
         # The measured threshold replaces auto's online measurement: with it on, the
         # threshold only decides until both modes are measured at a load, and plain decode
         # measured inside auto (requests staggered by speculation) runs slower than the
-        # plain decode it would switch to (docs/benchmarks.md, sixth session).
+        # plain decode it would switch to.
         flags = {"--spec-mode": "auto", "--spec-disable-batch-threshold": str(threshold),
                  NO_MEASURE: "", "--spec-num-steps": str(depth), "--spec-topk": str(topk),
                  "--spec-num-draft-tokens": str(tokens)}

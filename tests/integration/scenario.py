@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.heldout import heldout_prompt_ids
 
 # (step at which it arrives, prompt index, max_tokens); request r3 is aborted once it has
 # received ABORT_AFTER tokens.

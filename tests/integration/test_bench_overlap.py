@@ -4,18 +4,11 @@ and graphs off and on) produces the same tokens."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def test_bench_overlap_writes_figures_and_both_pipelines_agree(tmp_path: Path) -> None:
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench_overlap
-    finally:
-        sys.path.remove(str(TOOLS))
+    from tools import bench_overlap
     out = tmp_path / "overlap.json"
     # float32: batch 3 replays a graph padded to 4, and bfloat16 could round a near-tie
     # differently there.

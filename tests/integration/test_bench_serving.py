@@ -1,6 +1,6 @@
 """The serving benchmark for a few seconds against the real daemon (fixture model unless
 $SPECD_TEST_MODEL), through `tools/bench_serving.py` (`specctl bench` plus the transformers
-baseline and the issue's targets) and `specctl bench` itself: every field of its JSON
+baseline and the serving targets) and `specctl bench` itself: every field of its JSON
 present, the figures positive and consistent with each other (tokens counted by the daemon
 = tokens received by the client = requests x max_tokens), the paired windows and batch-1
 pairs the targets read, the transformers baseline in the same report, and the PNG plots
@@ -14,19 +14,16 @@ against a stand-in client whose counts decide them."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from daemon_harness import Daemon
 
 from specd.daemon.ctl.cli import cli as specctl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_serving  # noqa: E402
+from tests.integration.daemon_harness import Daemon
+from tools import bench_serving
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 3

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from scenario import assert_same, run
 
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.runner.cpu_backend import CpuBackend
 from specd.workers.runner.cpu_decode import _new_rows_mask, attend_history_and_new
 from specd.workers.runner.cpu_draft import CompiledDraftLoop
+from tests.integration.scenario import assert_same, run
 
 
 def _cpu_backend(core: EngineCore) -> CpuBackend:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
+
+from tests.integration.daemon_harness import Daemon
 
 
 def test_bfloat16_on_an_avx2_only_cpu_serves_unpacked_and_status_says_why(

@@ -20,13 +20,13 @@ from typing import Any
 
 import msgspec
 import pytest
-from daemon_harness import Daemon, model_under_test
 
 from specd.client import AsyncClient
 from specd.daemon.memory import resident_bytes
 from specd.ipc import errors
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
+from tests.integration.daemon_harness import Daemon, model_under_test
 
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Point:\n    def __init__(",
            "# Sort a list\n", "for i in range(10):\n", "x = [", "return ", "if __name__"]

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd.client import SpecdError
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED
 from specd.ipc import errors
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon
 
 
 class StreamInThread:

@@ -13,10 +13,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd.exit_codes import EXIT_OK
 from specd.ipc import errors
+from tests.integration.daemon_harness import Daemon
 
 POISON_SEED = 987_654_321
 PLUGIN = f'''

@@ -29,12 +29,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_deepseek_parity import save_model
 
 import specd
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.test_deepseek_parity import save_model
 
 transformers = pytest.importorskip("transformers")
 

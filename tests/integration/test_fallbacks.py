@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_harness import Daemon
 
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.ipc.sampling import SamplingParams
@@ -25,6 +24,7 @@ from specd.logs import TextFormatter
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.runner import graphs
+from tests.integration.daemon_harness import Daemon
 
 
 class _Records(logging.Handler):

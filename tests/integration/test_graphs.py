@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from scenario import MODES, assert_same, run
 
 from specd.workers.engine.core import EngineCore
 from specd.workers.engine.isolation import StepFailed
@@ -19,6 +18,7 @@ from specd.workers.runner import graphs as graphs_module
 from specd.workers.runner.graph_backend import GraphBackend, GraphDraftLoop
 from specd.workers.runner.graphs import GraphRunner, GraphShape
 from specd.workers.spec.draft_graphs import DraftGraphs
+from tests.integration.scenario import MODES, assert_same, run
 
 
 def _graphs(core: EngineCore) -> GraphRunner | None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import openai
 import pytest
-from daemon_harness import Daemon, model_under_test
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon, model_under_test
 
 KEY = "sk-test-0123456789"
 MAX_PENDING = 4

@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 import torch
-from ct_asymmetric import ct_scheme, decompressed_oracle, write_checkpoint
-from test_int4_model import ATOL, BLOCK_SIZE, NUM_BLOCKS, SMALL, Blocks, _oracle_logits, _run_step
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
@@ -35,6 +33,16 @@ from specd.workers.engine.sequence import Sequence
 from specd.workers.models.moe_int4 import Int4RoutedExperts
 from specd.workers.models.quantization import Int4Linear
 from specd.workers.runner.model_runner import ModelRunner
+from tests.integration.ct_asymmetric import ct_scheme, decompressed_oracle, write_checkpoint
+from tests.integration.test_int4_model import (
+    ATOL,
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    SMALL,
+    Blocks,
+    _oracle_logits,
+    _run_step,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

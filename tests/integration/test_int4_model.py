@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,9 @@ from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.engine.sequence import Sequence
 from specd.workers.models.quantization import Int4Linear
 from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
+from tools import quantize as quantize_tool
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import quantize as quantize_tool  # noqa: E402  (tools/ is not a package)
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
-from test_engine_parity import hf_greedy
 from torch import nn
 
 from specd.ipc.sampling import SamplingParams
@@ -33,11 +30,12 @@ from specd.workers.engine.sequence import Sequence
 from specd.workers.models.moe_int4 import Int4RoutedExperts
 from specd.workers.models.quantization import Int4Linear
 from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
+from tests.integration.heldout import heldout_prompt_ids
+from tests.integration.test_engine_parity import hf_greedy
+from tools import quantize as quantize_tool
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import quantize as quantize_tool  # noqa: E402  (tools/ is not a package)
 
 NEW_TOKENS = 24
 PROMPTS = heldout_prompt_ids(3, 9, 17)

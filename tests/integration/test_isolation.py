@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
@@ -24,6 +23,7 @@ from specd.workers.engine.records import RequestDelta
 from specd.workers.engine.scheduler import Scheduler
 from specd.workers.engine.sequence import Sequence
 from specd.workers.runner import sampler
+from tests.integration.heldout import heldout_prompt_ids
 
 POISONED = "p"
 PROMPTS = heldout_prompt_ids(4, 5, 11)

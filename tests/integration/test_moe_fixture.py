@@ -14,14 +14,19 @@ from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
-from test_engine_parity import hf_greedy
-from test_spec_lossless import CRITICAL_CHI2_DF2, NUM_SEQS, NUM_TOKENS, _rank_statistic
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES, EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.models.config import ModelConfig
+from tests.integration.heldout import heldout_prompt_ids
+from tests.integration.test_engine_parity import hf_greedy
+from tests.integration.test_spec_lossless import (
+    CRITICAL_CHI2_DF2,
+    NUM_SEQS,
+    NUM_TOKENS,
+    _rank_statistic,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from scenario import MODES, PROMPTS, assert_same, run
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.scenario import MODES, PROMPTS, assert_same, run
 
 
 @pytest.fixture(scope="module")

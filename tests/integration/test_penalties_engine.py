@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
 
 import specd
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.heldout import heldout_prompt_ids
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from daemon_harness import Daemon, model_under_test
 
 from specd.ipc import errors
 from specd.ipc import messages as m
 from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon, model_under_test
 
 PROMPT = "def fib(n):\n"
 IDLE_TIMEOUT_S = 2.0

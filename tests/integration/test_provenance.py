@@ -13,10 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd import provenance
 from specd.exit_codes import EXIT_CONFIG
+from tests.integration.daemon_harness import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 # Enough of the checkout to build it (pyproject's package-dir folders and README).

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
 from safetensors.torch import load_file, save_file
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import FIXTURE_DIR, EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.heldout import heldout_prompt_ids
 
 HEAD_DIR = FIXTURE_DIR / "eagle3"
 PROMPTS = heldout_prompt_ids(3, 9, 11)

@@ -17,11 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd import provenance
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
+from tests.integration.daemon_harness import Daemon
 
 HANG_TIMEOUT_S = 4.0
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_harness import Daemon
 
 import specd
 from specd.exit_codes import EXIT_CONFIG
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Soak and fuzz (issue 25): 32 concurrent clients drive one real daemon (front + scheduler,
+"""Soak and fuzz: 32 concurrent clients drive one real daemon (front + scheduler,
 speculation in its default auto mode) with a seeded random mix, for a bounded time:
 
 * generates: prompts in the fixture's style (Python), as text, token ids or chat messages;
@@ -41,12 +41,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from daemon_harness import Daemon, model_under_test
 from tokenizers import Tokenizer as HFTokenizer
 
 from specd.ipc import messages as m
 from specd.ipc.framing import DEFAULT_MAX_FRAME_BYTES, HEADER, FrameCodec
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon, model_under_test
 
 SEED = 2025
 NUM_CLIENTS = 32

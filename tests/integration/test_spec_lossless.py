@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
+from tests.integration.heldout import heldout_prompt_ids
 
 # (arrival step, prompt index, max_tokens): requests join while others run and leave at
 # different times, so batches mix prefill chunks, plain decodes and verify passes.

@@ -16,10 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd.exit_codes import EXIT_CONFIG, EXIT_SOFTWARE
 from specd.workers.config import FIXTURE_DIR
+from tests.integration.daemon_harness import Daemon
 
 
 def plant_in_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: str) -> None:

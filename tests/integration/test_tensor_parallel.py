@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from heldout import heldout_prompt_ids
 
 from specd import Engine
 from specd.ipc.sampling import SamplingParams
@@ -29,6 +27,7 @@ from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import rank_device
 from specd.workers.parallel.driver import RankFailed
 from specd.workers.runner.kv_cache import kv_bytes_per_token
+from tests.integration.heldout import heldout_prompt_ids
 
 PROMPTS = heldout_prompt_ids(3, 7, 11)
 NEW_TOKENS = 12
@@ -138,8 +137,7 @@ def test_a_worker_rank_killed_mid_stream_fails_the_engine_not_a_request() -> Non
 @pytest.fixture(scope="module")
 def int4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The MoE fixture with INT4 routed experts (tools/quantize.py's moe recipe, group 32)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import quantize  # tools/ is not a package
+    from tools import quantize
 
     out = tmp_path_factory.mktemp("moe-int4") / "int4"
     assert quantize.main([str(FIXTURE_MOE_DIR), str(out), "--recipe", "moe"]) == 0

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
-from test_daemon_failures import StreamInThread, _is_dead
-from test_scheduler_watch import specctl
 
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 from specd.ipc import errors
+from tests.integration.daemon_harness import Daemon
+from tests.integration.test_daemon_failures import StreamInThread, _is_dead
+from tests.integration.test_scheduler_watch import specctl
 
 HANG_TIMEOUT_S = 5
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_parallel import generate
+
+from tests.integration.test_tensor_parallel import generate
 
 pytestmark = [
     pytest.mark.gpu,

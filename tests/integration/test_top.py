@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon
 
 from specd.daemon.ctl.top import Snapshot, render
 from specd.ipc import messages as m
+from tests.integration.daemon_harness import Daemon
 
 FRAME_END = b"q or Ctrl-C quits"
 WAIT_S = 60.0  # a cold `python -m` start on two busy cores

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from daemon_harness import Daemon
-from test_startup_faults import plant_in_scheduler
 
 from specd.exit_codes import EXIT_SOFTWARE
 from specd.ipc.sampling import SamplingParams
@@ -27,6 +25,8 @@ from specd.workers.spec import step as spec_step
 from specd.workers.spec import verify
 from specd.workers.spec.controller import SpecController
 from specd.workers.spec.worker import SpeculativeWorker
+from tests.integration.daemon_harness import Daemon
+from tests.integration.test_startup_faults import plant_in_scheduler
 
 # Small and exact: float32 (greedy is then deterministic), a cache of 256 blocks.
 BASE: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}

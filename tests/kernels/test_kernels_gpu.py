@@ -2,8 +2,8 @@
 and a speed floor. Run with TRITON_INTERPRET=0 (tools/gpu_check.sh does), since the test
 conftest turns the interpreter on by default.
 
-Speed floors are regression guards set below issue 4's targets (tools/bench_kernels.py
-measures against the targets themselves): INT4 at M = 1 at least 2x bf16 matmul, tree
+Speed floors are regression guards set below the kernel targets (tools/bench_kernels.py
+states them and measures against them): INT4 at M = 1 at least 2x bf16 matmul, tree
 attention no slower than SDPA with a dense mask.
 """
 

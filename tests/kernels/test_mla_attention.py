@@ -14,9 +14,7 @@ softmax whose scores move by d moves its output by at most 2 * d * max|c|.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +22,6 @@ import torch
 
 from specd.kernels.mla_attention import mla_attention, mla_attention_ref
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 KIMI_SCALE = 0.13086  # Kimi-K2: 192^-0.5 * yarn_get_mscale(32, 1)^2, not 576^-0.5
 
 
@@ -303,11 +300,7 @@ def test_bad_operands_raise(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bench_entry_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """tools/bench_kernels.py's MLA entry at Kimi widths but a 40-key context, on the CPU with
     a stand-in timer: its cases, its correctness gate and its SDPA baseline run."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.remove(str(TOOLS))
+    from tools import bench_kernels
     monkeypatch.setattr(bench_kernels, "DEVICE", "cpu")
     monkeypatch.setattr(bench_kernels, "bench_ms", lambda fn: (fn(), 1.0)[1])
     for t in (1, 4):  # plain decode (no mask) and a tree

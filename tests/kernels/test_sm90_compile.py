@@ -13,7 +13,8 @@ integers equal to 1, 16-byte divisibility), and compiled with `triton.compile` f
 `GPUTarget("cuda", 90, 32)`, to PTX and, with the ptxas that triton bundles, a cubin. A
 configuration that fails to compile, or whose shared memory (dynamic + static) exceeds 227 KiB
 per block, fails the test. The table of configurations (shared memory, registers, spill
-bytes) is printed (`pytest -s`, or `python tests/kernels/test_sm90_compile.py`).
+bytes) is printed (`pytest -s`, or `python -m tests.kernels.test_sm90_compile` from the
+repository root).
 
 Compilation runs in worker processes of this file with TRITON_INTERPRET=0 (the test session's
 conftest turns the interpreter on, under which kernels are not compiled), two at a time.
@@ -296,9 +297,9 @@ def moe_cases(tier: str) -> Iterator[tuple[str, Call]]:
 def copy_cases(tier: str) -> Iterator[tuple[str, Call]]:
     if tier != "main":
         return
-    sys.path.insert(0, str(TOOLS))
-    import bench_kernels
     import torch
+
+    from tools import bench_kernels
 
     for dtype in ("int32", "bfloat16"):
         def call(dtype: str = dtype) -> object:
@@ -332,8 +333,7 @@ def _recording(family: str, launches: list[tuple[Any, Any, tuple, dict]]) -> Ite
     import importlib
 
     if family == "copy":
-        sys.path.insert(0, str(TOOLS))
-        modules = {importlib.import_module("bench_kernels"): ["_copy_kernel"]}
+        modules = {importlib.import_module("tools.bench_kernels"): ["_copy_kernel"]}
     else:
         modules = {importlib.import_module(f"specd.kernels.{name}"): sorted(LAUNCHED[name])
                    for name in FAMILY_MODULES[family]}
@@ -460,9 +460,10 @@ def compile_family(family: str, tier: str, workers: int = WORKERS) -> list[dict[
     """Run `workers` worker processes over one family's configurations; their rows."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1",
            "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", family, tier, str(i),
-                               str(workers)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.kernels.test_sm90_compile",
+                               "--worker", family, tier, str(i), str(workers)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for i in range(workers)]
     rows: list[dict[str, Any]] = []
     errors = []
@@ -604,7 +605,7 @@ def test_shared_memory_over_the_limit_fails() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
-    else:  # a report: python tests/kernels/test_sm90_compile.py [main|full]
+    else:  # a report: python -m tests.kernels.test_sm90_compile [main|full]
         tier_arg = sys.argv[1] if len(sys.argv) > 1 else "main"
         for fam in FAMILIES:
             fam_rows = compile_family(fam, tier_arg)

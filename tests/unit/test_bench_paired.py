@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -27,9 +25,7 @@ from specd.daemon.bench.paired import (
     tokens_in,
 )
 from specd.ipc.sampling import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from bench_targets import check_targets  # noqa: E402
+from tools.bench_targets import check_targets
 
 
 def _run(figures: dict[str, list[int]], seconds: float = 2.0,

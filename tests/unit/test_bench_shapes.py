@@ -4,17 +4,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS))
-try:
-    import bench_shapes
-finally:
-    sys.path.remove(str(TOOLS))
+from tools import bench_shapes
 
 
 def test_reduced_shapes_print_the_table_and_write_json(tmp_path: Path,

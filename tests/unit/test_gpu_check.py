@@ -73,8 +73,8 @@ def _bad_wheels(tmp_path: Path) -> Path:
 
 def test_dry_run_fails_on_a_wrong_flag_device_test_file_or_wheel(tmp_path: Path) -> None:
     """One copy of the script with several faults: each is reported, by step, and the dry
-    run exits 1. The serving fault is issue 24's example (`--out` where the serving
-    benchmark takes `--out-dir`)."""
+    run exits 1. The serving fault is a flag the serving benchmark does not have (`--out`
+    where it takes `--out-dir`)."""
     copy = _inject(tmp_path, [
         ('--no-plots --out-dir "$SCRATCH/serving"', '--no-plots --out "$SCRATCH/serving"'),
         ("--concurrency 1 16 64", "--concurency 1 16 64"),           # bench_spec, argparse

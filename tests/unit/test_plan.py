@@ -3,7 +3,7 @@
 Oracles: the tensors the engine actually builds and loads (parameters and buffers of the
 target and the EAGLE-3 head, each storage counted once; the KV tensors it allocates), a
 Kimi-K2-shaped model built on the meta device (every parameter's bytes without memory), and
-the per-GPU figures of ../shared/notes/mla_moe_tp.md §5 computed from the published config.
+per-GPU figures for Kimi-K2 INT4 on 8 H200s worked out by hand from its published config.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import copy
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,6 @@ from specd.workers.runner.kv_cache import allocate_kv_cache
 from specd.workers.spec.draft_model import load_draft_head
 
 GIB = 2**30
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-INTEGRATION_DIR = Path(__file__).resolve().parents[1] / "integration"
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
 KIMI_QUANTIZATION: dict[str, Any] = {
@@ -51,7 +48,7 @@ KIMI_QUANTIZATION: dict[str, Any] = {
                     "group_size": 32, "dynamic": False, "actorder": None}}},
     "ignore": KIMI_IGNORE,
 }
-# Kimi-K2's published values (../shared/notes/mla_moe_tp.md §1.1, K2-Instruct's rope).
+# Kimi-K2's published config.json values (K2-Instruct's rope: yarn, factor 32).
 KIMI_K2: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
     "hidden_size": 7168, "num_hidden_layers": 61, "first_k_dense_replace": 1,
@@ -158,8 +155,7 @@ def test_bfloat16_plan_keeps_the_router_in_float32_as_the_loader_does() -> None:
 def int4_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dense fixture quantized by tools/quantize.py: INT4 decoder linears (group 32) but
     down_proj, whose 688 inputs are not whole groups, and lm_head, kept bf16."""
-    sys.path.insert(0, str(TOOLS_DIR))
-    import quantize as quantize_tool
+    from tools import quantize as quantize_tool
 
     dst = tmp_path_factory.mktemp("int4") / "fixture-int4"
     assert quantize_tool.main([str(FIXTURE_DIR), str(dst), "--group-size", "32",
@@ -183,8 +179,7 @@ def test_int4_plan_equals_the_int4_linears_the_loader_builds(int4_fixture: Path)
 def int4_moe_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The MoE fixture quantized by tools/quantize.py's MoE recipe (Kimi's layout: routed
     experts INT4, group 32, symmetric; the rest bf16)."""
-    sys.path.insert(0, str(TOOLS_DIR))
-    import quantize as quantize_tool
+    from tools import quantize as quantize_tool
 
     dst = tmp_path_factory.mktemp("int4-moe") / "fixture-moe-int4"
     assert quantize_tool.main([str(FIXTURE_MOE_DIR), str(dst), "--recipe", "moe"]) == 0
@@ -215,8 +210,7 @@ def test_asymmetric_int4_experts_count_their_zero_points(group_size: int | None,
     """Checkpoints written by compressed-tensors' own compressor (zero points packed along
     the output rows; channel-wise: one scale per row)."""
     pytest.importorskip("compressed_tensors")
-    sys.path.insert(0, str(INTEGRATION_DIR))
-    from ct_asymmetric import ct_scheme, write_checkpoint
+    from tests.integration.ct_asymmetric import ct_scheme, write_checkpoint
 
     expert = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj$")
     write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(group_size, False),
@@ -266,25 +260,25 @@ def test_kimi_k25_wrapper_plans_its_language_model_with_the_prefixed_names(
     assert plan.weight_bytes == make_plan(kimi_dir, None, options).weight_bytes
 
 
-def test_kimi_k2_int4_on_8_h200_fits_with_the_note_per_gpu_figures(kimi_dir: Path) -> None:
+def test_kimi_k2_int4_on_8_h200_fits_with_the_hand_worked_per_gpu_figures(kimi_dir: Path) -> None:
     result = _run(str(kimi_dir), "--tensor-parallel-size", "8", "--gpu-memory-gib", "141",
                   "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     weights = {kind.rpartition(" (")[0]: part["bytes"] for kind, part in plan["weights"].items()}
 
-    # The note's TP8 table (GB = 1e9 B), to its two decimals; the router is float32 here
-    # (the engine keeps it so), twice the note's bf16 0.33 GB.
-    note_gb = {"routed experts": 71.35, "attention, replicated": 1.85, "attention, split": 1.31,
+    # The TP8 figures worked out by hand (GB = 1e9 B), to two decimals; the router is float32
+    # here (the engine keeps it so), twice its bf16 0.33 GB.
+    hand_gb = {"routed experts": 71.35, "attention, replicated": 1.85, "attention, split": 1.31,
                "dense MLP": 0.10, "shared experts": 0.66, "router": 0.66,
                "absorbed W_UK/W_UV": 0.13}
-    for kind, gb in note_gb.items():
+    for kind, gb in hand_gb.items():
         assert weights[kind] / 1e9 == pytest.approx(gb, abs=0.006), kind
     assert (weights["embedding"] + weights["lm_head"]) / 1e9 == pytest.approx(0.59, abs=0.006)
     assert plan["weight_bytes"] / 1e9 == pytest.approx(76.3 + 0.33, abs=0.02)
     assert plan["kv_bytes_per_token"] == 70_272  # 61 layers x 576 x 2 B, whole on each rank
     assert plan["fits"] is True
-    # The note: 607 k tokens per GPU at 141e9 B, 733 k at 150.8e9 B; 141 GiB is 151.4e9 B
+    # By hand: 607 k tokens per GPU at 141e9 B, 733 k at 150.8e9 B; 141 GiB is 151.4e9 B
     # with an 8 GiB (not 8 GB) reserve and the float32 router.
     assert 607_000 <= plan["kv_tokens"] <= 733_000
     assert plan["serve_command"] == (
@@ -309,7 +303,7 @@ def test_expert_parallel_holds_48_whole_experts_and_the_same_bytes_per_gpu(
     ep = make_plan(kimi_dir, None, PlanOptions(**options, expert_parallel=True))
     experts = [p for p in ep.parts if p.kind.startswith("routed experts")]
     assert experts[0].placement == "48 whole experts per rank"
-    # The note: EP8 experts + TP8 attention hold the same bytes per GPU, but for each expert's
+    # By hand, EP8 experts + TP8 attention hold the same bytes per GPU, but for each expert's
     # three weight_shape tensors (int64 [2]), which every rank keeps for all 384 under TP.
     shapes = (384 - 48) * 3 * 16 * 60
     assert _part(tp, "routed experts") - _part(ep, "routed experts") == shapes

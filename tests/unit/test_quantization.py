@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +36,9 @@ from specd.workers.models.quantization import (
     quantize_rtn,
     unpack_int4,
 )
+from tools import quantize as quantize_tool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import quantize as quantize_tool  # noqa: E402  (tools/ is not a package)
-
-# Kimi-K2-Thinking's quantization_config (docs: shared/notes/kernels.md section 1.3).
+# Kimi-K2-Thinking's quantization_config: only the routed experts INT4 (group 32, symmetric).
 KIMI_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "quantization_status": "compressed", "kv_cache_scheme": None,

@@ -3,10 +3,9 @@ not applied, running one sequence alone, and failing one request (no torch, no m
 
 from __future__ import annotations
 
-from test_scheduler import BLOCK, make_scheduler, make_seq, plan, step
-
 from specd.workers.engine.batch import ModelOutput
 from specd.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tests.unit.test_scheduler import BLOCK, make_scheduler, make_seq, plan, step
 
 
 def test_reset_after_failure_forgets_the_unapplied_steps_and_recomputes_everyone() -> None:

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.draft_model import DraftHead, load_draft_head
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from train_eagle3 import config_json, draft_vocab, save_head, ttt_attention  # noqa: E402
+from tools.train_eagle3 import config_json, draft_vocab, save_head, ttt_attention
 
 CFG = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=20,

@@ -5,7 +5,6 @@ stand-in client."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,7 @@ from specd.daemon.ctl.tune_spec import (
     update_env_args,
     update_env_file,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from bench_targets import check_targets  # noqa: E402
+from tools.bench_targets import check_targets
 
 
 class CountingClient:

@@ -1,6 +1,6 @@
 """What each rank holds: its `ModelConfig` and its slice of every checkpoint tensor.
 
-The layout is vLLM's and SGLang's (../shared/notes/mla_moe_tp.md §4):
+The layout is vLLM's and SGLang's:
 
 * column-parallel (output rows split, whole heads per rank): q/k/v, gate/up, MLA's q_b_proj
   (or q_proj) and kv_b_proj, the embedding and lm_head (vocabulary ranges); with fewer K/V

@@ -26,9 +26,9 @@ workers/models/moe.py, workers/models/quantization.py, workers/spec/draft_model.
 KV cache per token: MLA's latent row [kv_lora_rank + rope] per layer, whole on every rank;
 dense K and V of the rank's KV heads per layer; plus the head's K/V (one layer, its KV heads).
 The memory left for the cache is gpu_memory * memory_fraction - weights - reserve (activations,
-MoE workspace, captured graphs, communication buffers), the rule of
-../shared/notes/mla_moe_tp.md §5, in blocks of block_size tokens; the plan's `specd` command
-line passes the block count (--num-kv-blocks), so every rank holds the cache the plan counts.
+MoE workspace, captured graphs, communication buffers), in blocks of block_size tokens; the
+plan's `specd` command line passes the block count (--num-kv-blocks), so every rank holds
+the cache the plan counts.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Unit tests: one component each, on hand-built inputs or the embedded fixture."""
