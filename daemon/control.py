@@ -5,79 +5,89 @@ Control requests change the daemon for every client, so only an operator may sen
 the peer's uid (SO_PEERCRED, taken when it connected) must be root or
 `DaemonConfig.operator_uid` (default: the daemon's own user). Anyone else gets `forbidden`
 and keeps the connection. Queries that need the scheduler's figures ask it over the link
-and wait at most `QUERY_TIMEOUT_S`; a bug in a handler answers `internal_error`.
+(`SchedulerQueries`) and wait at most `QUERY_TIMEOUT_S`; a bug in a handler answers
+`internal_error`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sized
+from typing import Any, TypeAlias
 
 import msgspec
 
 import specd
 from specd import provenance
+from specd.daemon.config import DaemonConfig
+from specd.daemon.front_status import FrontStatus, Spawn
+from specd.daemon.health_watch import HealthWatch
 from specd.daemon.lifecycle import State
+from specd.daemon.request_table import RequestTable
+from specd.daemon.scheduler_handle import SchedulerHandle
+from specd.daemon.scheduler_queries import QUERY_TIMEOUT_S, SchedulerQueries
 from specd.daemon.server import Connection
 from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkSendError
 from specd.logs import log_event
 
-if TYPE_CHECKING:
-    from specd.daemon.front import Front
-
 log = logging.getLogger("specd.front")
 
-QUERY_TIMEOUT_S = 5.0
 ControlMessage: TypeAlias = m.StatusQuery | m.StatsQuery | m.SetSpec | m.Drain | m.Stop
 OPERATOR_ONLY = (m.SetSpec, m.Drain, m.Stop)
 
 
 class Control:
-    """Answers `ControlMessage`s for `front`; owns the queries in flight to the scheduler."""
+    """Answers `ControlMessage`s. Reads the front's `status`, its request `table`, its
+    `connections` (how many) and `counters`; asks the scheduler through `queries` and reads
+    its process through `scheduler`; the state it reports is `health`'s. Its handlers run
+    through `spawn`; a drain or stop is the front's `begin_drain(timeout_s, reason)`."""
 
-    def __init__(self, front: Front) -> None:
-        self.front = front
-        self._next_query_id = 0
-        self._queries: dict[int, asyncio.Future[m.QueryReply]] = {}
+    def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
+                 connections: Sized, counters: Counter[str], scheduler: SchedulerHandle,
+                 queries: SchedulerQueries, health: HealthWatch, *, spawn: Spawn,
+                 begin_drain: Callable[[float, str], None]) -> None:
+        self.config = config
+        self.status = status
+        self.table = table
+        self.connections = connections
+        self.counters = counters
+        self.scheduler = scheduler
+        self.queries = queries
+        self.health = health
+        self.spawn = spawn
+        self.begin_drain = begin_drain
 
     def handle(self, connection: Connection, message: ControlMessage) -> None:
         """Answer at once or through a task; never raises for a client's mistake."""
-        front = self.front
         if isinstance(message, OPERATOR_ONLY) and not self._is_operator(connection):
             connection.reject(message.id, "forbidden",
                               f"{message.__struct_config__.tag} is for an operator (uids "
-                              f"{sorted(front.config.operator_uids)}); this connection is "
+                              f"{sorted(self.config.operator_uids)}); this connection is "
                               f"uid {connection.peer_uid}")
         elif isinstance(message, m.StatusQuery):
             self._spawn_guarded(connection, message.id, self._reply_status)
         elif isinstance(message, m.StatsQuery):
             self._spawn_guarded(connection, message.id, self._reply_stats)
         elif isinstance(message, m.SetSpec):
-            front.spawn(self._guarded(connection, message.id, self._set_spec(connection, message)))
+            self.spawn(self._guarded(connection, message.id, self._set_spec(connection, message)))
         elif isinstance(message, m.Drain):
-            timeout = front.config.drain_timeout_s if message.timeout_s is None \
+            timeout = self.config.drain_timeout_s if message.timeout_s is None \
                 else message.timeout_s
-            connection.send(m.Ack(message.id, f"draining {len(front.table)} requests"))
-            front.begin_drain(timeout, "drain requested by a client")
+            connection.send(m.Ack(message.id, f"draining {len(self.table)} requests"))
+            self.begin_drain(timeout, "drain requested by a client")
         elif isinstance(message, m.Stop):
-            connection.send(m.Ack(message.id, f"stopping; ending {len(front.table)} requests"))
-            front.begin_drain(0.0, "stop requested by a client")
-
-    def on_reply(self, reply: m.QueryReply) -> None:
-        future = self._queries.pop(reply.query_id, None)
-        if future is not None and not future.done():
-            future.set_result(reply)
+            connection.send(m.Ack(message.id, f"stopping; ending {len(self.table)} requests"))
+            self.begin_drain(0.0, "stop requested by a client")
 
     def _is_operator(self, connection: Connection) -> bool:
-        return connection.peer_uid in self.front.config.operator_uids
+        return connection.peer_uid in self.config.operator_uids
 
     def _spawn_guarded(self, connection: Connection, client_id: int,
                        reply: Callable[[Connection, int], Coroutine[Any, Any, None]]) -> None:
-        self.front.spawn(self._guarded(connection, client_id, reply(connection, client_id)))
+        self.spawn(self._guarded(connection, client_id, reply(connection, client_id)))
 
     async def _guarded(self, connection: Connection, client_id: int,
                        coro: Coroutine[Any, Any, None]) -> None:
@@ -90,38 +100,16 @@ class Control:
                                  "connection": connection.connection_id})
             connection.reject(client_id, "internal_error", "internal error; see the log")
 
-    async def _query(self, make: Callable[[int], m.ToScheduler]) -> m.QueryReply:
-        """Send `make(query_id)` to the scheduler and wait for its QueryReply."""
-        self._next_query_id += 1
-        query_id = self._next_query_id
-        future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
-        self._queries[query_id] = future
-        try:
-            self.front.scheduler.send(make(query_id))
-            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
-        finally:
-            self._queries.pop(query_id, None)
-
-    def probe(self) -> None:
-        """Ask the scheduler for its figures without waiting (the front's idle watchdog: the
-        answer moves `HealthWatch.last_heard`; no one reads it)."""
-        self._next_query_id += 1
-        try:
-            self.front.scheduler.send(m.QueryStats(self._next_query_id))
-        except LinkSendError as exc:  # its inbox is full: the watchdog will see no answer
-            log_event(log, logging.WARNING, "probe_not_sent", f"cannot ask the scheduler: {exc}")
-
     async def _engine_stats(self) -> dict[str, Any]:
         """The scheduler's figures; while it does not answer (or its process is stopped,
         which is not asked), what the front knows instead: `error` and the process state."""
-        front = self.front
-        if front.state not in (State.READY, State.DRAINING):
+        if self.status.state not in (State.READY, State.DRAINING):
             return {}
-        scheduler = front.scheduler
+        scheduler = self.scheduler
         error = "the scheduler did not answer"
         if not scheduler.is_stopped:
             try:
-                return (await self._query(lambda q: m.QueryStats(q))).result
+                return (await self.queries.ask(lambda q: m.QueryStats(q))).result
             except (TimeoutError, LinkSendError) as exc:
                 error += f" ({type(exc).__name__} after {QUERY_TIMEOUT_S:g} s)"
         return {"error": error, "scheduler_pid": scheduler.pid,
@@ -129,21 +117,21 @@ class Control:
 
     async def _reply_status(self, connection: Connection, query_id: int) -> None:
         engine = await self._engine_stats()
-        front = self.front
-        ready = front.ready
+        status = self.status
+        ready = status.ready
         # A scheduler that does not answer is reported, not hidden behind `ready`: the
         # watchdog fails the daemon if it stays silent for the hang timeout.
         connection.send(m.StatusReply(
             id=query_id,
-            state="unresponsive" if "error" in engine else front.reported_state,
+            state="unresponsive" if "error" in engine else self.health.reported_state,
             protocol=m.PROTOCOL_VERSION,
             version=specd.__version__,
-            uptime_s=time.monotonic() - front.started,
+            uptime_s=time.monotonic() - status.started,
             model=str(ready.resolved.get("model_name")) if ready else str(
-                front.config.engine.model_path),
-            num_open_requests=len(front.table),
-            num_connections=len(front.connections),
-            resolved=ready.resolved if ready else {"stage": front.scheduler_stage},
+                self.config.engine.model_path),
+            num_open_requests=len(self.table),
+            num_connections=len(self.connections),
+            resolved=ready.resolved if ready else {"stage": status.scheduler_stage},
             engine=engine,
             provenance={
                 "front": provenance.report(),
@@ -151,24 +139,23 @@ class Control:
                     "code_version": ready.code_version, "pid": ready.pid,
                     "modules": ready.modules, "packages": ready.packages},
             },
-            config=msgspec.to_builtins(front.config, enc_hook=str),
+            config=msgspec.to_builtins(self.config, enc_hook=str),
         ))
 
     async def _reply_stats(self, connection: Connection, query_id: int) -> None:
         engine = await self._engine_stats()
-        front = self.front
-        stats = {"engine": engine, "front": dict(front.counters),
-                 "open_requests": len(front.table), "connections": len(front.connections)}
+        stats = {"engine": engine, "front": dict(self.counters),
+                 "open_requests": len(self.table), "connections": len(self.connections)}
         connection.send(m.StatsReply(query_id, stats))
 
     async def _set_spec(self, connection: Connection, message: m.SetSpec) -> None:
-        state = self.front.state
+        state = self.status.state
         if state is not State.READY:
             connection.reject(message.id, "starting" if state is State.STARTING
                               else "shutting_down", "the scheduler is not serving")
             return
         try:
-            reply = await self._query(
+            reply = await self.queries.ask(
                 lambda q: m.SetSpecMode(q, message.mode, message.threshold))
         except (TimeoutError, LinkSendError) as exc:
             connection.reject(message.id, "scheduler_unavailable", repr(exc))

@@ -7,7 +7,10 @@ A generate request is open (in the request table) from its arrival: while its pr
 tokenized, then in the scheduler until its last frame (`request_flow.RequestFlow`).
 Queries and control requests are answered by `control.Control`. With `--http`, the
 OpenAI-compatible API and /metrics (`daemon/http/`) serve on the same loop, through the
-same request flow. No torch is imported here.
+same request flow; `health_watch.HealthWatch` watches the scheduler. The front builds these
+parts and hands each what it uses (the status of `front_status.py`, the request table, the
+scheduler handle, the counters, the lifecycle, a sibling or one of the front's own steps);
+none holds the front. No torch is imported here.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
+from specd.daemon.front_status import FrontStatus
 from specd.daemon.health_watch import HealthWatch
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import Metrics
@@ -32,6 +36,7 @@ from specd.daemon.lifecycle import Lifecycle, State
 from specd.daemon.request_flow import RequestFlow
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
+from specd.daemon.scheduler_queries import SchedulerQueries
 from specd.daemon.server import Connection, start_server
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc import messages as m
@@ -44,12 +49,13 @@ log = logging.getLogger("specd.front")
 
 TICK_S = 0.1
 EXIT_GRACE_S = 0.3  # after the scheduler exits, wait this long for its SchedulerFailed
-STACK_DUMP_WAIT_S = 0.5
 SHUTDOWN_WAIT_S = 5.0
 
 
 class Front:
-    """Owns the listeners, the connections, the request table and the scheduler handle.
+    """Owns the listeners, the connections, the request table, the scheduler handle and
+    the daemon's lifecycle (ready, drain, failure, exit); builds its parts and hands each
+    what it uses: the request flow, the control requests, the health watch, the HTTP API.
 
     http_listener: the HTTP API's bound port (None: HTTP off). scheduler_restarts: how
     often this service already exited for a failed scheduler (`scheduler_restarts` in
@@ -66,19 +72,13 @@ class Front:
             m.ClientMessage, config.max_frame_bytes, nil_is_default=True)
         self.table = RequestTable()
         self.connections: dict[int, Connection] = {}
-        self.state = State.STARTING
-        self.started = time.monotonic()
+        self.status = FrontStatus()
         self.code_version = provenance.code_version()
-        self.ready: m.Ready | None = None
-        self.scheduler_stage = "spawn"
         self.is_stopping = False
         self.exit_code: int | None = None
         self.counters: Counter[str] = Counter(scheduler_restarts=scheduler_restarts)
         self.metrics = Metrics()
         self._next_connection_id = 0
-        self.requests = RequestFlow(self, tokenizer)
-        self.control = Control(self)
-        self.health = HealthWatch(self)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
         self._done = asyncio.Event()
@@ -86,6 +86,17 @@ class Front:
                                          config.log_format, config.log_level)
         log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
                   scheduler_pid=self.scheduler.pid, code_version=self.code_version)
+        self.queries = SchedulerQueries(self.scheduler)
+        self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
+                                  self.scheduler, probe=self.queries.probe, spawn=self.spawn,
+                                  fail=self.fail)
+        self.requests = RequestFlow(config, tokenizer, self.status, self.table, self.counters,
+                                    self.metrics.latency, self.scheduler, spawn=self.spawn,
+                                    note_progress=self.health.progressed,
+                                    check_drained=self.check_drained)
+        self.control = Control(config, self.status, self.table, self.connections, self.counters,
+                               self.scheduler, self.queries, self.health, spawn=self.spawn,
+                               begin_drain=self.begin_drain)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -95,7 +106,9 @@ class Front:
         server = await start_server(self._on_connection, self.listener, self.config)
         http = None
         if self.http_listener is not None:
-            http = HttpServer(self, self.http_listener)
+            http = HttpServer(self.config, self.http_listener, self.status, self.counters,
+                              self.metrics, self.requests, self.control, self.health,
+                              new_connection_id=self.new_connection_id)
             await http.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
@@ -131,13 +144,9 @@ class Front:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def note_progress(self) -> None:
-        """The scheduler moved (or had no work until now): the hang watchdog restarts."""
-        self.health.progressed()
-
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if self.state is State.DRAINING:
+        if self.status.state is State.DRAINING:
             log_event(log, logging.WARNING, "signal", f"{name} again: ending the drain now")
             self._drain_expired()
             return
@@ -148,26 +157,16 @@ class Front:
             await asyncio.sleep(TICK_S)
             self.health.check(time.monotonic())
 
-    @property
-    def reported_state(self) -> str:
-        """The state status and /health report: the lifecycle's, or `unresponsive` while
-        the scheduler owes an answer (the hang watchdog fails the daemon if it stays so)."""
-        return "unresponsive" if self.health.is_unresponsive else self.state.value
-
-    def summary(self) -> str:
-        """One line for systemd's STATUS: open requests and connections."""
-        return f"{len(self.table)} open requests, {len(self.connections)} connections"
-
     def begin_drain(self, timeout_s: float, reason: str) -> None:
         """Stop accepting; end when the open requests are done or `timeout_s` passed. During
         a drain, a shorter timeout (a `stop`: 0) brings its end forward."""
-        if self.state is State.DRAINING:
+        if self.status.state is State.DRAINING:
             self._shorten_drain(timeout_s)
             return
-        if self.state is State.FAILED:
+        if self.status.state is State.FAILED:
             return
-        was_ready = self.state is State.READY
-        self.state = State.DRAINING
+        was_ready = self.status.state is State.READY
+        self.status.state = State.DRAINING
         self.lifecycle.draining(len(self.table), timeout_s)
         log_event(log, logging.INFO, "drain", f"draining: {reason}",
                   open_requests=len(self.table), timeout_s=timeout_s)
@@ -200,7 +199,7 @@ class Front:
 
     def check_drained(self) -> None:
         """While draining: once no request is open, stop the scheduler and exit."""
-        if self.state is State.DRAINING and not self.table and not self.is_stopping:
+        if self.status.state is State.DRAINING and not self.table and not self.is_stopping:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
             self.spawn(self._stop_scheduler(graceful=True))
@@ -220,9 +219,9 @@ class Front:
 
     def fail(self, code: int, cause: str, traceback: str | None = None) -> None:
         """The scheduler is gone or useless: error every open request, log once, exit."""
-        if self.state is State.FAILED or self.is_stopping:
+        if self.status.state is State.FAILED or self.is_stopping:
             return
-        self.state = State.FAILED
+        self.status.state = State.FAILED
         self.lifecycle.failed(cause)
         open_requests = list(self.table)
         log_event(log, logging.ERROR, "scheduler_failed", cause, exit_code=code,
@@ -233,18 +232,9 @@ class Front:
         self.scheduler.kill()
         self._finish_run(code)
 
-    async def on_hang(self, what: str) -> None:
-        """Dump the scheduler's stacks (faulthandler, SIGUSR1), then fail with them (75)."""
-        self.scheduler.request_stack_dump()
-        await asyncio.sleep(STACK_DUMP_WAIT_S)
-        stacks = self.scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
-        self.fail(EXIT_SCHEDULER_FAILED,
-                   f"scheduler hung: {what}; process {self.scheduler.pid} is "
-                   f"{self.scheduler.process_state()}", traceback=stacks)
-
     def _on_scheduler_exit(self) -> None:
         self.scheduler.stop_watching()
-        if self.is_stopping or self.state is State.FAILED:
+        if self.is_stopping or self.status.state is State.FAILED:
             return
         # Its last message (SchedulerFailed) may still be in transit: give it a moment.
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, self._on_scheduler_gone)
@@ -255,8 +245,9 @@ class Front:
             how = f"killed by {signal.Signals(-returncode).name}"
         else:
             how = f"exited with status {returncode}"
-        self.fail(EXIT_SCHEDULER_FAILED, f"scheduler process {self.scheduler.pid} {how} "
-                   f"(stage {self.scheduler_stage if self.state is State.STARTING else 'loop'})")
+        stage = self.status.scheduler_stage if self.status.state is State.STARTING else "loop"
+        self.fail(EXIT_SCHEDULER_FAILED,
+                  f"scheduler process {self.scheduler.pid} {how} (stage {stage})")
 
     # ---- scheduler -> front ------------------------------------------------------------
 
@@ -272,30 +263,31 @@ class Front:
 
     def _on_scheduler_message(self, message: m.FromScheduler) -> None:
         if isinstance(message, m.StepOutput):
-            self.note_progress()
+            self.health.progressed()
             for delta in message.deltas:
                 self.requests.on_delta(delta)
         elif isinstance(message, m.QueryReply):
-            self.control.on_reply(message)
+            self.queries.on_reply(message)
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
-            self.note_progress()
+            self.health.progressed()
             if message.code_version and message.code_version != self.code_version:
                 self._refuse_other_code(message)
                 return
-            if message.stage == self.scheduler_stage and message.detail:  # a heartbeat
+            if message.stage == self.status.scheduler_stage and message.detail:  # a heartbeat
                 self.lifecycle.still_starting(f"scheduler: {message.stage}, {message.detail}",
-                                              time.monotonic() - self.started)
+                                              time.monotonic() - self.status.started)
                 return
-            self.scheduler_stage = message.stage
+            self.status.scheduler_stage = message.stage
             self.lifecycle.starting(f"scheduler: {message.stage}")
             log_event(log, logging.INFO, "scheduler_stage", f"scheduler: {message.stage}")
         elif isinstance(message, m.Ready):
             self._on_ready(message)
         elif isinstance(message, m.SchedulerFailed):
             # Before Ready the scheduler tells a code bug (70) from bad configuration (78).
-            code = message.exit_code if self.state is State.STARTING else EXIT_SCHEDULER_FAILED
+            is_starting = self.status.state is State.STARTING
+            code = message.exit_code if is_starting else EXIT_SCHEDULER_FAILED
             self.fail(code, f"scheduler failed in stage {message.stage}: {message.error}",
                        traceback=message.traceback)
         elif isinstance(message, m.Stopped):
@@ -316,10 +308,10 @@ class Front:
                        f"the front's {self.code_version}: a stale or mixed installation "
                        f"(scheduler modules: {ready.modules.get('specd')})")
             return
-        self.ready = ready
-        if self.state is State.STARTING:
-            self.state = State.READY
-        self.note_progress()
+        self.status.ready = ready
+        if self.status.state is State.STARTING:
+            self.status.state = State.READY
+        self.health.progressed()
         log_event(log, logging.INFO, "ready", "scheduler ready", resolved=ready.resolved,
                   warmup_s=round(ready.warmup_s, 3), scheduler_pid=ready.pid)
         self.lifecycle.ready(f"model {ready.resolved.get('model_name')}")
@@ -334,7 +326,7 @@ class Front:
         if len(self.connections) >= self.config.max_connections:
             await connection.refuse("overloaded", "too many connections")
             return
-        if self.state is State.DRAINING:
+        if self.status.state is State.DRAINING:
             await connection.refuse("shutting_down", "the daemon is draining; no new "
                                     "connections")
             return

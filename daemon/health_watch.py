@@ -3,22 +3,26 @@ that stops answering (`HealthWatch`, ticked by `Front` every TICK_S).
 
 Busy, a hang is no step output for the hang timeout; idle, no answer to the probes (an idle
 scheduler blocks on its inbox, so only a question shows that it still could answer). A hang
-asks for the scheduler's stacks and fails the daemon (exit 75, `Front.on_hang`). While the
+asks for the scheduler's stacks and fails the daemon with them (exit 75). While the
 scheduler owes an answer the daemon reports `unresponsive` (status, /health, systemd's
 STATUS). No torch is imported here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sized
+from typing import Protocol
 
-from specd.daemon.lifecycle import STARTUP_EXTEND_S, State
+from specd.daemon.config import DaemonConfig
+from specd.daemon.front_status import FrontStatus, Spawn
+from specd.daemon.lifecycle import STARTUP_EXTEND_S, Lifecycle, State
+from specd.daemon.request_table import RequestTable
+from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 
-if TYPE_CHECKING:
-    from specd.daemon.front import Front
-
+STACK_DUMP_WAIT_S = 0.5  # a hung scheduler's faulthandler writes its stacks within this
 PROBE_INTERVAL_S = 5.0  # an idle scheduler is asked for its figures this often (at most)
 # Start-up stages that send heartbeats while they progress (workers/process/stage_watch.py): silence
 # for the hang timeout there is a hang. Warm-up compiles and captures without them.
@@ -26,13 +30,35 @@ WATCHED_STAGES = ("load",)
 PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive
 
 
+class Fail(Protocol):
+    """The front's end on a dead or useless scheduler (`Front.fail`): every open request
+    gets an error frame, then the front exits with `code`."""
+
+    def __call__(self, code: int, cause: str, traceback: str | None = None) -> None: ...
+
+
 class HealthWatch:
     """Times of the scheduler's last progress, last message and last probe, and what they
     mean. `check(now)` runs every tick; `progressed()` and `heard()` are called by the front
-    as messages arrive."""
+    as messages arrive.
 
-    def __init__(self, front: Front) -> None:
-        self.front = front
+    Reads the front's `status`, its request `table` and `connections` (how many), and the
+    `scheduler`'s process; tells systemd through `lifecycle`; asks an idle scheduler with
+    `probe()`. A start-up without Ready ends in `fail`, and so does a hang, after the dump
+    of the scheduler's stacks (a task, run through `spawn`)."""
+
+    def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
+                 connections: Sized, lifecycle: Lifecycle, scheduler: SchedulerHandle, *,
+                 probe: Callable[[], None], spawn: Spawn, fail: Fail) -> None:
+        self.config = config
+        self.status = status
+        self.table = table
+        self.connections = connections
+        self.lifecycle = lifecycle
+        self.scheduler = scheduler
+        self.probe = probe
+        self.spawn = spawn
+        self.fail = fail
         now = time.monotonic()
         self.last_progress = now
         self.last_heard = now  # the scheduler's last message of any kind
@@ -54,74 +80,93 @@ class HealthWatch:
         """Start-up: a watched stage without heartbeats, or no Ready in time, fails; else
         systemd hears that start-up goes on. Serving: a stall fails; the systemd watchdog
         is fed while there is none."""
-        front = self.front
-        if front.state is State.STARTING:
+        status = self.status
+        if status.state is State.STARTING:
             self._check_startup(now)
             return
-        if front.state is State.FAILED:
+        if status.state is State.FAILED:
             return
-        is_busy = front.table.num_submitted > 0
+        is_busy = self.table.num_submitted > 0
         stalled_s = now - (self.last_progress if is_busy else self.last_heard)
-        is_stalled = stalled_s > front.config.hang_timeout_s
+        is_stalled = stalled_s > self.config.hang_timeout_s
         if not is_busy:
             self._probe_if_quiet(now)
         self._report_responsiveness()
         if is_stalled and not self.is_hung:
             self.is_hung = True
-            front.spawn(front.on_hang(
-                f"no progress for {stalled_s:.1f} s with {len(front.table)} open requests"
+            self.spawn(self._fail_hung(
+                f"no progress for {stalled_s:.1f} s with {len(self.table)} open requests"
                 if is_busy else f"no answer for {stalled_s:.1f} s while idle"))
-        interval = front.lifecycle.watchdog_interval
+        interval = self.lifecycle.watchdog_interval
         if interval is not None and now - self.last_watchdog >= interval:
             self.last_watchdog = now
-            front.lifecycle.alive(not is_stalled, front.summary())
+            self.lifecycle.alive(not is_stalled, self.summary())
 
     def _check_startup(self, now: float) -> None:
-        front = self.front
-        elapsed = now - front.started
+        status = self.status
+        elapsed = now - status.started
         stalled_s = now - self.last_progress
-        if (front.scheduler_stage in WATCHED_STAGES and not self.is_hung
-                and stalled_s > front.config.hang_timeout_s):
+        if (status.scheduler_stage in WATCHED_STAGES and not self.is_hung
+                and stalled_s > self.config.hang_timeout_s):
             self.is_hung = True
-            front.spawn(front.on_hang(f"no progress for {stalled_s:.1f} s in stage "
-                                      f"{front.scheduler_stage}"))
-        elif elapsed > front.config.startup_timeout_s:
-            front.fail(EXIT_SCHEDULER_FAILED,
-                       f"scheduler sent no Ready within {front.config.startup_timeout_s:g} s "
-                       f"(stage {front.scheduler_stage})")
+            self.spawn(self._fail_hung(f"no progress for {stalled_s:.1f} s in stage "
+                                       f"{status.scheduler_stage}"))
+        elif elapsed > self.config.startup_timeout_s:
+            self.fail(EXIT_SCHEDULER_FAILED,
+                      f"scheduler sent no Ready within {self.config.startup_timeout_s:g} s "
+                      f"(stage {status.scheduler_stage})")
         elif now - self.last_extend > STARTUP_EXTEND_S / 3:
             self.last_extend = now
-            front.lifecycle.still_starting(f"scheduler: {front.scheduler_stage}", elapsed)
+            self.lifecycle.still_starting(f"scheduler: {status.scheduler_stage}", elapsed)
+
+    async def _fail_hung(self, what: str) -> None:
+        """Dump the scheduler's stacks (faulthandler, SIGUSR1), then fail with them (75)."""
+        scheduler = self.scheduler
+        scheduler.request_stack_dump()
+        await asyncio.sleep(STACK_DUMP_WAIT_S)
+        stacks = scheduler.read_stack_dump() or "(no stack dump: the process did not answer)"
+        self.fail(EXIT_SCHEDULER_FAILED,
+                  f"scheduler hung: {what}; process {scheduler.pid} is "
+                  f"{scheduler.process_state()}", traceback=stacks)
 
     def _probe_if_quiet(self, now: float) -> None:
         """Ask the idle scheduler for its figures when it has been quiet for a probe
         interval (a third of the hang timeout, at most PROBE_INTERVAL_S); its answer, like
         any message, moves `last_heard`."""
-        interval = min(PROBE_INTERVAL_S, self.front.config.hang_timeout_s / 3)
+        interval = min(PROBE_INTERVAL_S, self.config.hang_timeout_s / 3)
         if now - max(self.last_heard, self.last_probe) >= interval:
             self.last_probe = now
-            self.front.control.probe()
+            self.probe()
 
     def _report_responsiveness(self) -> None:
         """STATUS=unresponsive while the scheduler owes an answer, serving again after."""
-        front = self.front
-        if front.state is not State.READY:
+        if self.status.state is not State.READY:
             return
         if self.is_unresponsive:
             self.was_unresponsive = True
-            front.lifecycle.unresponsive(f"the scheduler did not answer; process "
-                                         f"{front.scheduler.pid} is "
-                                         f"{front.scheduler.process_state()}")
+            self.lifecycle.unresponsive(f"the scheduler did not answer; process "
+                                        f"{self.scheduler.pid} is "
+                                        f"{self.scheduler.process_state()}")
         elif self.was_unresponsive:
             self.was_unresponsive = False
-            front.lifecycle.serving(front.summary())
+            self.lifecycle.serving(self.summary())
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS: open requests and connections."""
+        return f"{len(self.table)} open requests, {len(self.connections)} connections"
 
     @property
     def is_unresponsive(self) -> bool:
         """The scheduler owes an answer: a probe went unanswered for PROBE_ANSWER_S, or its
         process is stopped (SIGSTOP, a debugger)."""
-        if self.front.state not in (State.READY, State.DRAINING):
+        if self.status.state not in (State.READY, State.DRAINING):
             return False
         unanswered = (self.last_probe > self.last_heard
                       and time.monotonic() - self.last_probe > PROBE_ANSWER_S)
-        return unanswered or self.front.scheduler.is_stopped
+        return unanswered or self.scheduler.is_stopped
+
+    @property
+    def reported_state(self) -> str:
+        """The state status and /health report: the lifecycle's, or `unresponsive` while
+        the scheduler owes an answer (the hang watchdog fails the daemon if it stays so)."""
+        return "unresponsive" if self.is_unresponsive else self.status.state.value

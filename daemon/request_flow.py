@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Protocol
+from collections import Counter
+from collections.abc import Callable
+from typing import Protocol
 
+from specd.daemon.config import DaemonConfig
 from specd.daemon.detokenizer import IncrementalDetokenizer
+from specd.daemon.front_status import FrontStatus, Spawn
+from specd.daemon.http.metrics import RequestLatency
 from specd.daemon.lifecycle import State
 from specd.daemon.prompts import INLINE_TOKENIZE_CHARS, PromptEncoder, PromptText, RequestError
-from specd.daemon.request_table import OpenRequest, Peer
+from specd.daemon.request_table import OpenRequest, Peer, RequestTable
+from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
 from specd.ipc.zmq_link import LinkSendError
 from specd.logs import log_event
 from specd.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from specd.daemon.front import Front
 
 log = logging.getLogger("specd.front")
 
@@ -45,18 +48,30 @@ class Client(Peer, Protocol):
 
 
 class RequestFlow:
-    """The generate requests of `front`: admission, tokenizing, submission to the
-    scheduler, output to the client, and every way a request ends. Shares the front's
-    request table and counters; owns the prompt encoder."""
+    """The front's generate requests: admission, tokenizing, submission to the scheduler,
+    output to the client, and every way a request ends. Owns the prompt encoder.
 
-    def __init__(self, front: Front, tokenizer: Tokenizer) -> None:
-        self.front = front
-        self.config = front.config
-        self.table = front.table
-        self.counters = front.counters
+    Admits by the front's `status`; keeps the open requests in the front's `table`, counts
+    how they end in its `counters` and times their output in `latency`; sends to the
+    `scheduler`. Tokenizing off the loop runs through `spawn`; `note_progress()` when the
+    first request of an idle scheduler is submitted (idle time is no stall), and
+    `check_drained()` each time requests leave the table (a drain ends with the last)."""
+
+    def __init__(self, config: DaemonConfig, tokenizer: Tokenizer, status: FrontStatus,
+                 table: RequestTable, counters: Counter[str], latency: RequestLatency,
+                 scheduler: SchedulerHandle, *, spawn: Spawn, note_progress: Callable[[], None],
+                 check_drained: Callable[[], None]) -> None:
+        self.config = config
         self.tokenizer = tokenizer
-        self.latency = front.metrics.latency
-        self.prompts = PromptEncoder(tokenizer, front.config)
+        self.status = status
+        self.table = table
+        self.counters = counters
+        self.latency = latency
+        self.scheduler = scheduler
+        self.spawn = spawn
+        self.note_progress = note_progress
+        self.check_drained = check_drained
+        self.prompts = PromptEncoder(tokenizer, config)
         self._next_request_number = 0
 
     def close(self) -> None:
@@ -74,12 +89,13 @@ class RequestFlow:
     def _open(self, connection: Client, message: m.Generate) -> None:
         """Open the request, or raise RequestError; its prompt is tokenized here when
         short, else on the worker thread while the request waits in the table."""
-        if self.front.state is State.STARTING:
+        status = self.status
+        if status.state is State.STARTING:
             raise RequestError("starting",
-                               f"the scheduler is starting ({self.front.scheduler_stage})")
-        if self.front.state is State.DRAINING:
+                               f"the scheduler is starting ({status.scheduler_stage})")
+        if status.state is State.DRAINING:
             raise RequestError("shutting_down", "the daemon is draining; no new requests")
-        if self.front.state is State.FAILED or self.front.ready is None:
+        if status.state is State.FAILED or status.ready is None:
             raise RequestError("scheduler_unavailable", "the scheduler is not available")
         if self.table.find(connection.connection_id, message.id) is not None:
             raise RequestError("duplicate_id", f"request id {message.id} is already in flight")
@@ -98,7 +114,7 @@ class RequestFlow:
         if isinstance(prompt, list):
             self._submit(request, prompt, message.sampling)
         else:
-            self.front.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
+            self.spawn(self._tokenize_and_submit(request, prompt, message.sampling))
 
     def tokenize(self, connection: Client, message: m.Tokenize) -> None:
         """Answer `tokens`: the prompt ids a generate with the same prompt or messages would
@@ -113,7 +129,7 @@ class RequestFlow:
             ids = self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
             connection.send(m.Tokens(message.id, ids))
         else:
-            self.front.spawn(self._tokenize_off_loop(connection, message.id, prompt))
+            self.spawn(self._tokenize_off_loop(connection, message.id, prompt))
 
     async def _tokenize_off_loop(self, connection: Client, client_id: int,
                                  prompt: PromptText) -> None:
@@ -127,8 +143,8 @@ class RequestFlow:
         connection.send(m.Tokens(client_id, ids))
 
     def _max_model_len(self) -> int:
-        assert self.front.ready is not None  # admission checked it
-        return int(self.front.ready.resolved["max_model_len"])
+        assert self.status.ready is not None  # admission checked it
+        return int(self.status.ready.resolved["max_model_len"])
 
     async def _tokenize_and_submit(self, request: OpenRequest, prompt: PromptText,
                                    sampling: SamplingParams) -> None:
@@ -159,13 +175,13 @@ class RequestFlow:
                                 abort=False)
             return
         try:
-            self.front.scheduler.send(m.AddRequest(request.request_id, prompt_ids, sampling))
+            self.scheduler.send(m.AddRequest(request.request_id, prompt_ids, sampling))
         except LinkSendError as exc:
             self.end_with_error(request, "overloaded", f"the scheduler's queue is full: "
                                 f"{exc}", abort=False)
             return
         if self.table.num_submitted == 0:
-            self.front.note_progress()  # idle time is not a stall
+            self.note_progress()  # idle time is not a stall
         request.num_prompt_tokens = len(prompt_ids)
         self.table.mark_submitted(request)
 
@@ -210,7 +226,7 @@ class RequestFlow:
             log_event(log, logging.INFO, "client_gone", f"connection closed ({reason}); "
                       f"aborted {len(ids)} requests", connection=connection.connection_id,
                       request_ids=ids)
-            self.front.check_drained()
+            self.check_drained()
 
     def end_connection_requests(self, connection: Peer, code: str, reason: str) -> None:
         """The daemon closes `connection` while the client may still read it (a bad frame,
@@ -305,13 +321,13 @@ class RequestFlow:
     def _forget(self, request: OpenRequest) -> None:
         self.table.remove(request)
         self.latency.on_end(request)
-        self.front.check_drained()
+        self.check_drained()
 
     def abort_in_scheduler(self, request_ids: list[str]) -> None:
-        if not request_ids or self.front.state is State.FAILED:
+        if not request_ids or self.status.state is State.FAILED:
             return
         try:
-            self.front.scheduler.send(m.AbortRequests(request_ids))
+            self.scheduler.send(m.AbortRequests(request_ids))
         except LinkSendError as exc:
             log_event(log, logging.ERROR, "abort_lost", f"abort not sent: {exc}",
                       request_ids=request_ids)

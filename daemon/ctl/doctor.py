@@ -13,19 +13,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from specd import provenance
+from specd.daemon.ctl.check_result import CheckResult
+from specd.daemon.ctl.doctor_ranks import check_last_failure, check_ranks, read_records
 from specd.ipc.client import Client
 from specd.ipc.errors import SpecdError
 from specd.ipc.messages import StatusReply
-
-
-class CheckResult(msgspec.Struct, frozen=True):
-    name: str
-    ok: bool
-    detail: str
-    advice: str = ""
 
 
 def _tree(modules: dict[str, str]) -> str:
@@ -171,9 +164,6 @@ def check_config(status: StatusReply) -> CheckResult:
 def run_checks(socket_path: Path | None, timeout: float,
                log_lines: Iterable[str] | None = None) -> list[CheckResult]:
     """Every check in order; `log_lines`: the daemon's log, for the last failure in it."""
-    # Imported here: doctor_ranks builds this module's CheckResult.
-    from specd.daemon.ctl.doctor_ranks import check_last_failure, check_ranks, read_records
-
     results = [check_local_install()]
     status: StatusReply | None = None
     error = ""

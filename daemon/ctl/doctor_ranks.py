@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from specd.daemon.ctl.doctor import CheckResult
+from specd.daemon.ctl.check_result import CheckResult
 from specd.daemon.scheduler_handle import process_state
 from specd.ipc.messages import StatusReply
 

@@ -18,25 +18,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from aiohttp import web
 
+from specd.daemon.config import DaemonConfig
+from specd.daemon.control import Control
+from specd.daemon.front_status import FrontStatus
+from specd.daemon.health_watch import HealthWatch
 from specd.daemon.http import params
 from specd.daemon.http.errors import HttpError
 from specd.daemon.http.listener import HttpListener
-from specd.daemon.http.metrics import CONTENT_TYPE
+from specd.daemon.http.metrics import CONTENT_TYPE, Metrics
 from specd.daemon.http.peer import HttpPeer
 from specd.daemon.http.responses import DONE, Answer, sse
 from specd.daemon.lifecycle import State
+from specd.daemon.request_flow import RequestFlow
 from specd.ipc import messages as m
 from specd.ipc.sampling import MAX_INT64
 from specd.logs import log_event
 
 if TYPE_CHECKING:
-    from specd.daemon.front import Front
     from specd.daemon.server import Connection
 
 log = logging.getLogger("specd.http")
@@ -59,14 +64,29 @@ def error_response(error: HttpError) -> web.Response:
 
 
 class HttpServer:
-    """The API on `listener`'s socket for `front`; `start`, then `close` when the front
-    exits."""
+    """The API on `listener`'s socket; `start`, then `close` when the front exits.
 
-    def __init__(self, front: Front, listener: HttpListener) -> None:
-        self.front = front
+    Generate requests go through `requests` (the socket's request flow), /metrics asks
+    `control` for the stats and renders them with `metrics`; /health and /v1/models read
+    the front's `status` and `health`. Refusals are counted in the front's `counters`; each
+    HTTP request is a client with an id from `new_connection_id()` (shared with the
+    socket's connections)."""
+
+    def __init__(self, config: DaemonConfig, listener: HttpListener, status: FrontStatus,
+                 counters: Counter[str], metrics: Metrics, requests: RequestFlow,
+                 control: Control, health: HealthWatch, *,
+                 new_connection_id: Callable[[], int]) -> None:
+        self.config = config
         self.listener = listener
-        self.model = front.config.engine.model_path.name  # the name Ready reports too
-        app = web.Application(client_max_size=front.config.max_frame_bytes,
+        self.status = status
+        self.counters = counters
+        self.metrics_registry = metrics
+        self.requests = requests
+        self.control = control
+        self.health_watch = health
+        self.new_connection_id = new_connection_id
+        self.model = config.engine.model_path.name  # the name Ready reports too
+        app = web.Application(client_max_size=config.max_frame_bytes,
                               middlewares=[self._guard])
         app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -81,7 +101,7 @@ class HttpServer:
     async def start(self) -> None:
         await self._runner.setup()
         site = web.SockSite(self._runner, self.listener.sock,
-                            backlog=self.front.config.max_connections)
+                            backlog=self.config.max_connections)
         await site.start()
         host, port = self.listener.address
         log_event(log, logging.INFO, "http_listening", f"HTTP API on {host}:{port}",
@@ -118,7 +138,7 @@ class HttpServer:
     def _refuse(self, error: HttpError) -> web.Response:
         """The error's answer, counted as `error_<code>` (unless the flow counted it)."""
         if error.code is not None and not error.is_counted:
-            self.front.counters[f"error_{error.code}"] += 1
+            self.counters[f"error_{error.code}"] += 1
         return error_response(error)
 
     # ---- generate ------------------------------------------------------------------------
@@ -141,17 +161,17 @@ class HttpServer:
                             f"{self.model!r}", "model_not_found", "model")
 
     def _max_model_len(self) -> int:
-        ready = self.front.ready
+        ready = self.status.ready
         return MAX_INT64 if ready is None else int(ready.resolved["max_model_len"])
 
     async def _generate(self, request: web.Request, generate: m.Generate,
                         options: params.Options) -> web.StreamResponse:
         """Admit through the request flow, then answer from the peer's frames; the request
         is aborted if the handler leaves before it ended (disconnect, cancellation)."""
-        peer = HttpPeer(self.front.new_connection_id(), self.front.counters)
-        answer = Answer(options, self.model, self.front.requests.tokenizer)
+        peer = HttpPeer(self.new_connection_id(), self.counters)
+        answer = Answer(options, self.model, self.requests.tokenizer)
         try:
-            self.front.requests.admit(peer, generate)
+            self.requests.admit(peer, generate)
             frames = await peer.receive()
             if not options.stream:
                 # Not streamed: the Final, or an Error (after a Delta with the output so
@@ -165,7 +185,7 @@ class HttpServer:
                 raise _error_of(frames[0])
             return await self._stream(request, peer, answer, frames)
         finally:
-            self.front.requests.on_connection_closed(peer, "HTTP client gone")
+            self.requests.on_connection_closed(peer, "HTTP client gone")
 
     async def _stream(self, request: web.Request, peer: HttpPeer, answer: Answer,
                       frames: list[m.ServerMessage]) -> web.StreamResponse:
@@ -188,28 +208,28 @@ class HttpServer:
     # ---- the rest --------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        ready = self.front.ready
+        ready = self.status.ready
         card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "specd",
                                 "created": int(time.time() - (time.monotonic()
-                                                              - self.front.started))}
+                                                              - self.status.started))}
         if ready is not None:
             card["max_model_len"] = int(ready.resolved["max_model_len"])
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        state = self.front.reported_state  # `unresponsive`: the scheduler owes an answer
+        state = self.health_watch.reported_state  # `unresponsive`: the scheduler owes an answer
         return json_response({"status": state}, 200 if state == State.READY.value else 503)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        peer = HttpPeer(self.front.new_connection_id(), self.front.counters)
+        peer = HttpPeer(self.new_connection_id(), self.counters)
         # The stats query `specctl stats` sends, answered to this peer: Control reads only
         # send, reject and connection_id of a querying connection.
-        self.front.control.handle(cast("Connection", peer), m.StatsQuery(0))
+        self.control.handle(cast("Connection", peer), m.StatsQuery(0))
         reply = (await peer.receive())[0]
         if not isinstance(reply, m.StatsReply):
             raise _error_of(reply) if isinstance(reply, m.Error) else HttpError(
                 500, f"unexpected reply {type(reply).__name__}", "internal_error")
-        body = self.front.metrics.render(reply.stats, self.front.state.value)
+        body = self.metrics_registry.render(reply.stats, self.status.state.value)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
