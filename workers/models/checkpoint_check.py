@@ -85,15 +85,18 @@ def int4_modules(model: CausalLM) -> Iterator[str]:
         yield from parts or [name]
 
 
-def check_int4_storage(cfg: ModelConfig, stored: Mapping[str, StoredTensor]) -> None:
+def check_int4_storage(cfg: ModelConfig,
+                       stored: Mapping[str, StoredTensor] | None = None) -> None:
     """ValueError naming the tensor and the quantization_config rule when the checkpoint
-    (its tensors `stored`, `stored_tensors(cfg.model_dir)`) stores dense (`{module}.weight`)
-    a module the config makes INT4 (module docstring). Nothing to check without a
-    quantization_config."""
+    stores dense (`{module}.weight`) a module the config makes INT4 (module docstring).
+    stored: the checkpoint's tensors, `stored_tensors(cfg.model_dir)` (None: read here).
+    Nothing is checked, or read, without a quantization_config."""
     make_linear = linear_factory(cfg)
     if not isinstance(make_linear, Int4LinearFactory):
         return
     model = build_meta_model(cfg, torch.device("cpu"), make_linear)
+    if stored is None:
+        stored = stored_tensors(cfg.model_dir)
     for module in int4_modules(model):
         name = cfg.weight_prefix + module
         dense = stored.get(f"{name}.weight")
