@@ -1,9 +1,12 @@
 """Start-up checks that parts configured separately fit each other (no torch: the front runs
-them before it starts the scheduler, the in-process API before it loads weights)."""
+them before it starts the scheduler, the in-process API before it loads weights, and
+`specctl plan` before it plans)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 
 
 def check_vocabulary(tokenizer_vocab_size: int, model_vocab_size: int, model_path: Path) -> None:
@@ -19,3 +22,14 @@ def check_vocabulary(tokenizer_vocab_size: int, model_vocab_size: int, model_pat
             f"model's embedding has {model_vocab_size} rows (config.json vocab_size): ids "
             f"{model_vocab_size}..{tokenizer_vocab_size - 1} have no embedding; the "
             "tokenizer belongs to another model")
+
+
+def check_tokenizer_fits(model_path: Path, model_vocab_size: int) -> bool:
+    """`check_vocabulary` for the tokenizer in `model_path`, loaded as the engine loads it;
+    False when the directory has no tokenizer (nothing to check: tiny test models, a
+    config.json alone), True once it fits. ValueError (or OSError) as `Tokenizer.from_dir`
+    and `check_vocabulary` raise."""
+    if not any((model_path / name).is_file() for name in TOKENIZER_FILES):
+        return False
+    check_vocabulary(Tokenizer.from_dir(model_path).vocab_size, model_vocab_size, model_path)
+    return True

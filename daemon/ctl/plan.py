@@ -1,5 +1,6 @@
-"""`specctl plan`: whether and how a model fits N GPUs, from its config alone (no weights,
-no daemon). The arithmetic is workers/plan/deployment.py; this module parses options and prints."""
+"""`specctl plan`: whether and how a model fits N GPUs, from the model built on the meta
+device (no tensor data, no GPU, no daemon), refusing what the engine refuses at start-up.
+The planning is workers/plan/deployment.py; this module parses options and prints."""
 
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
     """Plan serving MODEL (a model directory, or an embedded model: fixture, fixture-moe)
     on --tensor-parallel-size GPUs of --gpu-memory-gib each.
 
-    Reads config.json and its quantization_config (and the draft head's config.json), never
-    the weights, and prints per GPU: weight bytes by kind (INT4 routed experts, attention,
-    MLPs, embedding and lm_head, norms, router, draft head), KV-cache bytes per token, the
-    memory left for the cache after the weights and the reserve, how many tokens it holds,
-    and whether one sequence of the model's maximum length fits. Runs without a daemon.
+    Builds rank 0's model (and the draft head) on the meta device from config.json and its
+    quantization_config, and prints per GPU: weight bytes by kind (INT4 routed experts,
+    attention, MLPs, embedding and lm_head, norms, router, draft head), KV-cache bytes per
+    token, the memory left for the cache after the weights and the reserve, how many tokens
+    it holds, and whether one sequence of the model's maximum length fits. Runs the engine's
+    start-up checks first (config fields, tokenizer against embedding, what N ranks must
+    divide, INT4 modules stored dense, from the safetensors headers) and exits 2 naming what
+    it refuses. Reads no tensor data; runs without a daemon.
     """
     from specd.workers.config import EngineConfig
     from specd.workers.plan.deployment import PlanOptions, make_plan
@@ -67,7 +71,7 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
             reserve_bytes=int(reserve_gib * GIB), block_size=block_size,
             max_model_len=max_model_len)
         result = make_plan(resolved.model_path, resolved.draft_model_path, options)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:  # what the engine would refuse at start-up
         raise click.UsageError(str(exc)) from exc
     figures = result.to_dict()
     figures["serve_command"] = serve_command(figures) if result.fits else None

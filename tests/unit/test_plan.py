@@ -361,12 +361,14 @@ def test_int4_experts_split_into_partial_groups_are_refused_as_the_loader_refuse
         int4_moe_fixture: Path) -> None:
     """The fixture's experts are 96 wide, 3 groups of 32: two ranks would hold 48 each."""
     cfg = ModelConfig.from_dir(int4_moe_fixture)
-    with pytest.raises(ValueError, match="group_size 32 does not divide"):
+    with pytest.raises(ValueError, match="group_size 32 does not divide") as refused:
         load_model(cfg, torch.device("cpu"), torch.bfloat16, linear_factory(cfg),
                    ParallelContext(0, 2))
     result = _run(str(int4_moe_fixture), "-tp", "2", "--gpu-memory-gib", "1")
     assert result.exit_code == 2
-    assert "48 input columns (per rank) are not whole INT4 groups of 32" in result.output
+    assert str(refused.value) == ("model.layers.1.mlp.experts: group_size 32 does not divide "
+                                  "moe_intermediate_size 48")
+    assert str(refused.value) in result.output
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp8", "ep8"])
@@ -441,7 +443,8 @@ def test_ranks_neither_dividing_nor_a_multiple_of_the_kv_heads_are_refused(
         tmp_path: Path) -> None:
     config = {**json.loads((FIXTURE_DIR / "config.json").read_text()),
               "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 16}
-    message = "num_key_value_heads (4) is neither divisible by the tensor-parallel size 6"
+    message = "tensor_parallel_size 6 is neither a divisor nor a multiple of " \
+              "num_key_value_heads (4)"
     result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "6",
                   "--gpu-memory-gib", "80")
     assert result.exit_code == 2
@@ -455,8 +458,7 @@ def test_ranks_neither_dividing_nor_a_multiple_of_the_kv_heads_are_refused(
 def test_ranks_that_do_not_divide_the_heads_are_refused_naming_them() -> None:
     result = _run("fixture", "-tp", "3", "--gpu-memory-gib", "80")
     assert result.exit_code == 2
-    assert "num_attention_heads (4) is not divisible by the tensor-parallel size 3" in \
-        result.output
+    assert "tensor_parallel_size 3 does not divide num_attention_heads (4)" in result.output
 
 
 def test_expert_parallel_ranks_that_do_not_divide_the_experts_are_refused(
@@ -465,19 +467,18 @@ def test_expert_parallel_ranks_that_do_not_divide_the_experts_are_refused(
     result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "8", "--expert-parallel",
                   "--gpu-memory-gib", "141")
     assert result.exit_code == 2
-    assert "n_routed_experts (380) is not divisible by the tensor-parallel size 8" in \
-        result.output
+    assert "tensor_parallel_size 8 does not divide n_routed_experts (380)" in result.output
 
 
-def test_int4_row_split_into_partial_groups_is_refused_naming_the_linear(
+def test_int4_experts_split_into_partial_groups_at_32_ranks_are_refused_naming_them(
         tmp_path: Path) -> None:
     config = copy.deepcopy(KIMI_K2)
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
     result = _run(str(_write_config(tmp_path / "m", config)), "-tp", "32",
                   "--gpu-memory-gib", "141")
     assert result.exit_code == 2
-    assert "model.layers.1.mlp.experts.down_proj: 64 input columns (per rank) are not whole " \
-           "INT4 groups of 128" in result.output
+    assert "model.layers.1.mlp.experts: group_size 128 does not divide " \
+           "moe_intermediate_size 64" in result.output
 
 
 def test_embedded_model_names_resolve_with_their_own_heads() -> None:

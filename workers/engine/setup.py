@@ -9,6 +9,7 @@ from typing import Any
 
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.engine.plain_worker import PlainWorker, StepWorker
+from specd.workers.models.checkpoint_check import check_int4_storage
 from specd.workers.models.config import ModelConfig
 from specd.workers.runner.kv_cache import KvBudget, kv_block_bytes, kv_bytes_per_token
 from specd.workers.runner.model_runner import ModelRunner
@@ -28,6 +29,9 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
     # Refuse a length the model cannot serve (its limit, its sliding window) before any
     # weight is read; `max_model_len` checks the same after the KV cache is sized.
     requested_model_len(config, model_config)
+    # A module the quantization_config makes INT4 but the checkpoint stores dense: named
+    # from the headers here, not by the loader as a tensor that matches no parameter.
+    check_int4_storage(model_config)
     path = config.draft_model_path
     if config.speculative_algorithm is None or path is None:
         return PlainWorker(ModelRunner(config, model_config))

@@ -114,6 +114,10 @@ class SafetensorsFile:
         shape: list[int] = self._handle.get_slice(name).get_shape()
         return shape
 
+    def dtype(self, name: str) -> str:
+        """The header's dtype name of tensor `name` ("BF16", "I32", ...)."""
+        return str(self._handle.get_slice(name).get_dtype())
+
     def read(self, name: str, part: TensorSlice = WHOLE) -> torch.Tensor:
         """Tensor `name`, or the slice `part` names (zeros of its shape for `part.zeros`):
         only that slice is read from the file."""

@@ -1,34 +1,30 @@
-"""Deployment arithmetic from a model's config alone (`specctl plan`): what one GPU holds
-under N-way tensor (or expert) parallelism and how many KV tokens fit beside it.
+"""Deployment planning (`specctl plan`): what one GPU holds under N-way tensor (or expert)
+parallelism, how many KV tokens fit beside it, and whether the engine would start at all.
 
-Reads `config.json` (its quantization_config too) and the draft head's `config.json`,
-never a weight. The bytes are those of the tensors the engine builds (workers/models/,
-workers/models/moe.py, workers/models/quantization.py, workers/spec/draft_model.py), per rank:
+The weights are counted on the model itself (workers/plan/weights.py): rank 0's model, built
+on the meta device from its sharded config with the checkpoint's linear factory, and the
+EAGLE-3 head built the same way, every parameter and buffer summed. Rank 0 holds at least
+what any other rank holds: the EAGLE-3 head runs whole there, and shares the target's
+embedding when its checkpoint has none, which under N > 1 is a copy of the whole embedding
+(rank 0's target holds only its vocabulary range: ModelRunner.draft_embedding_weight).
 
-* unquantized weights, norms and biases in the serving dtype; the MoE router (weight and
-  correction bias) in float32 whatever the dtype (moe.TopkRouter keeps it so);
-* an INT4 linear (quantization.Int4Linear) or routed-expert projection (moe_int4.
-  Int4RoutedExperts): `weight_packed` int32 [out, in/8], `weight_scale` [out, groups] in the
-  serving dtype (in/group_size groups, one channel-wise), `weight_zero_point` int32
-  [out/8, groups] when asymmetric, `weight_shape` int64 [2];
-* MLA's absorbed W_UK / W_UV: a second copy of kv_b_proj's local heads (buffers);
-* tensor parallel, as workers/parallel/sharding.py splits the model: q and dense KV heads,
-  MLP widths and each expert's width split N ways (every split dimension divisible by N,
-  INT4 splits along whole groups; with fewer KV heads than ranks, N a multiple of them, each
-  rank holds the one KV head its q heads share); q_a_proj, kv_a_proj_with_mqa, norms,
-  row-parallel biases (zeros off rank 0) and the router whole on every rank; embedding and
-  lm_head split by vocabulary rows; with expert parallelism, E / N whole routed experts per
-  rank instead;
-* the EAGLE-3 head whole on rank 0, the only rank that runs it; it shares the target's
-  embedding when its checkpoint has none, which under N > 1 is a copy of the whole
-  embedding (rank 0's target holds only its vocabulary range: ModelRunner.draft_embedding_weight).
+Before it counts, the plan runs the engine's own start-up checks (`check_startup`), so it
+refuses what the engine refuses, with the engine's message: config.json's fields
+(ModelConfig.from_dir), a tokenizer larger than the embedding (model_fit), the longest
+sequence (ModelConfig.served_len), what N ranks must divide (shard_model_config and the INT4
+layers' group checks, in the meta build), and from the safetensors headers a module the
+quantization_config makes INT4 that the checkpoint stores dense (checkpoint_check) and a
+stored tensor whose rank slice would not be whole (sharding.tensor_slice, as the rank loader
+asks). A directory without a tokenizer skips the vocabulary check, one without a checkpoint
+the header checks; the plan lists what it skipped among its assumptions. No tensor data is
+read.
 
-KV cache per token: MLA's latent row [kv_lora_rank + rope] per layer, whole on every rank;
-dense K and V of the rank's KV heads per layer; plus the head's K/V (one layer, its KV heads).
-The memory left for the cache is gpu_memory * memory_fraction - weights - reserve (activations,
-MoE workspace, captured graphs, communication buffers), in blocks of block_size tokens; the
-plan's `specd` command line passes the block count (--num-kv-blocks), so every rank holds
-the cache the plan counts.
+KV cache per token: the sharded config's (`kv_bytes_per_token`: MLA's latent row per layer,
+whole on every rank; dense K and V of the rank's K/V heads per layer); plus the head's K/V
+(one layer, its K/V heads). The memory left for the cache is gpu_memory * memory_fraction -
+weights - reserve (activations, MoE workspace, captured graphs, communication buffers), in
+blocks of block_size tokens; the plan's `specd` command line passes the block count
+(--num-kv-blocks), so every rank holds the cache the plan counts.
 """
 
 from __future__ import annotations
@@ -38,18 +34,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specd.model_fit import check_tokenizer_fits
 from specd.workers.models.checkpoint import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     open_safetensors,
     read_weight_map,
 )
-from specd.workers.models.config import ModelConfig, read_json_object
-from specd.workers.plan.weights import PlanOptions, WeightPart, draft_head_parts, target_parts
-from specd.workers.spec.draft_config import DraftConfig
+from specd.workers.models.checkpoint_check import (
+    StoredTensor,
+    check_int4_storage,
+    has_checkpoint,
+    stored_tensors,
+)
+from specd.workers.models.config import ModelConfig
+from specd.workers.parallel.context import ParallelContext
+from specd.workers.parallel.sharding import replicates_kv_heads, tensor_slice
+from specd.workers.plan.weights import (
+    PlanOptions,
+    WeightPart,
+    draft_head_part,
+    rank_zero_model,
+    target_parts,
+)
+from specd.workers.runner.kv_cache import kv_bytes_per_token
 from specd.workers.spec.head_files import BIN_INDEX, find_weights, read_draft_config
 
-__all__ = ["Plan", "PlanOptions", "WeightPart", "make_plan", "read_config", "read_draft"]
+__all__ = ["Plan", "PlanOptions", "WeightPart", "check_startup", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -124,30 +135,82 @@ class Plan:
         }
 
 
-def read_config(model_dir: Path) -> tuple[ModelConfig, Mapping[str, Any] | None]:
-    """(the architecture, the raw quantization_config or None) of `model_dir/config.json`.
+def check_startup(cfg: ModelConfig, options: PlanOptions,
+                  stored: Mapping[str, StoredTensor] | None) -> tuple[str, ...]:
+    """The engine's start-up checks of `cfg` before it builds a rank's model, the same
+    functions in the engine's order (module docstring), given the checkpoint's tensors
+    `stored` (None: no checkpoint); ValueError naming the field or the tensor. Returns the
+    assumptions for the checks a directory without a tokenizer or a checkpoint skips."""
+    notes = []
+    if not check_tokenizer_fits(cfg.model_dir, cfg.vocab_size):
+        notes.append(f"no tokenizer in {cfg.model_dir}: its vocabulary is not checked "
+                     "against the embedding")
+    cfg.served_len(options.max_model_len)
+    if stored is None:
+        notes.append(f"no checkpoint in {cfg.model_dir}: which tensors it stores INT4 is "
+                     "taken from the quantization_config")
+    else:
+        check_int4_storage(cfg, stored)
+    return tuple(notes)
 
-    ModelConfig is parsed without the quantization config: the plan needs the shapes from it
-    and reads which linears are INT4 from the quantization config itself."""
-    raw = read_json_object(model_dir / "config.json")
-    text = raw.get("text_config")
-    quant = raw.get("quantization_config") or (
-        text.get("quantization_config") if isinstance(text, dict) else None)
-    stripped = {k: v for k, v in raw.items() if k != "quantization_config"}
-    if isinstance(text, dict):
-        stripped["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
-    generation_path = model_dir / "generation_config.json"
-    generation = read_json_object(generation_path) if generation_path.is_file() else None
-    return ModelConfig.from_dict(stripped, model_dir, generation), quant
+
+def check_rank_slices(cfg: ModelConfig, par: ParallelContext,
+                      stored: Mapping[str, StoredTensor]) -> None:
+    """ValueError naming the tensor and dimension when a rank's slice of a stored tensor
+    would not be whole (`tensor_slice`, which the rank loader asks for every served tensor
+    it reads: an asymmetric INT4 layer's zero-point words, for example)."""
+    for full_name, tensor in stored.items():
+        if cfg.weight_prefix and not full_name.startswith(cfg.weight_prefix):
+            continue  # a part of the checkpoint specd does not serve
+        tensor_slice(full_name.removeprefix(cfg.weight_prefix), list(tensor.shape), cfg, par)
 
 
-def read_draft(draft_dir: Path) -> tuple[DraftConfig, bool]:
-    """(the head's config in any published format, whether its checkpoint carries its own
-    token embedding). The second comes from the tensor names alone (`_head_tensor_names`);
-    without a weights file the head is taken to share the target's, as published heads do."""
-    config = read_draft_config(draft_dir)
+def make_plan(model_dir: Path, draft_dir: Path | None, options: PlanOptions) -> Plan:
+    """The plan for serving `model_dir` (with the head in `draft_dir`, if any); ValueError
+    (OSError for an unreadable file) naming what the engine would refuse at start-up."""
+    cfg = ModelConfig.from_dir(model_dir)
+    stored = stored_tensors(model_dir) if has_checkpoint(model_dir) else None
+    skipped = check_startup(cfg, options, stored)
+    model = rank_zero_model(cfg, options)  # raises what N ranks cannot split
+    if stored is not None:
+        check_rank_slices(cfg, options.rank_zero, stored)
+    parts, assumptions = target_parts(cfg, model, options)
+    draft_kv = 0
+    if draft_dir is not None:
+        draft = read_draft_config(draft_dir)
+        part, note = draft_head_part(draft, head_has_embedding(draft_dir), options)
+        # The head's K/V: one layer of its K/V heads (the engine's extra_kv_elements_per_token).
+        draft_kv = (2 * draft.num_key_value_heads * draft.head_dim
+                    * options.torch_dtype.itemsize)
+        parts, assumptions = (*parts, part), (*assumptions, note)
+    return Plan(model_dir=model_dir, draft_dir=draft_dir, options=options, parts=parts,
+                kv_bytes_per_token=kv_bytes_per_token(model.config, options.torch_dtype),
+                draft_kv_bytes_per_token=draft_kv,
+                kv_layout=kv_layout(cfg, model.config, options.rank_zero),
+                max_model_len=cfg.served_len(options.max_model_len),
+                assumptions=(*assumptions, *skipped))
+
+
+def kv_layout(cfg: ModelConfig, local: ModelConfig, par: ParallelContext) -> str:
+    """How rank 0's KV cache (of its config `local`; the model's `cfg`) lies on the ranks of
+    `par`, in words."""
+    n = par.world_size
+    if cfg.mla is not None:
+        return (f"MLA latent [{cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim}] per layer, "
+                + ("whole on every rank" if n > 1 else "whole"))
+    text = (f"K and V of {local.num_kv_heads} of {cfg.num_kv_heads} KV heads per layer on "
+            "each rank")
+    if replicates_kv_heads(cfg, par):
+        text += f", each on {n // cfg.num_kv_heads} ranks"
+    return text
+
+
+def head_has_embedding(draft_dir: Path) -> bool:
+    """Whether the head's checkpoint carries its own token embedding, from the tensor names
+    alone; without a weights file the head is taken to share the target's, as published
+    heads do."""
     names = {name.removeprefix("model.") for name in _head_tensor_names(draft_dir)}
-    return config, "embed_tokens.weight" in names
+    return "embed_tokens.weight" in names
 
 
 def _head_tensor_names(draft_dir: Path) -> set[str]:
@@ -166,20 +229,3 @@ def _head_tensor_names(draft_dir: Path) -> set[str]:
     import torch  # a pickled head only: mapped, not read
 
     return set(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-
-
-def make_plan(model_dir: Path, draft_dir: Path | None, options: PlanOptions) -> Plan:
-    """The plan for serving `model_dir` (with the head in `draft_dir`, if any); ValueError
-    naming the value when the model cannot be split N ways or a config is unreadable."""
-    cfg, quant = read_config(model_dir)
-    parts, kv_per_token, kv_layout, assumptions = target_parts(cfg, quant, options)
-    draft_kv = 0
-    if draft_dir is not None:
-        draft, has_embedding = read_draft(draft_dir)
-        part, draft_kv, note = draft_head_parts(draft, has_embedding, options)
-        parts, assumptions = (*parts, part), (*assumptions, note)
-    return Plan(model_dir=model_dir, draft_dir=draft_dir, options=options, parts=parts,
-                kv_bytes_per_token=kv_per_token, draft_kv_bytes_per_token=draft_kv,
-                kv_layout=kv_layout,
-                max_model_len=options.max_model_len or cfg.max_model_len,
-                assumptions=assumptions)

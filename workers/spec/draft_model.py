@@ -331,10 +331,18 @@ def load_draft_head(path: str | Path, target_embed_weight: torch.Tensor | None =
     root = Path(path)
     config = read_draft_config(root)
     tensors, weights_path = read_head_tensors(root, device)
-    with torch.device("meta"):
-        head = DraftHead(config)
-    # Empty storage in the serving dtype; rope frequencies stay float32 for accuracy.
-    head = head.to_empty(device=device).to(dtype)
-    head.inv_freq = rope_inv_freq(config).to(device)
+    head = empty_draft_head(config, dtype, device)
     head.load_weights(tensors, str(weights_path), target_embed_weight)
     return head.eval()
+
+
+def empty_draft_head(config: DraftConfig, dtype: torch.dtype,
+                     device: str | torch.device) -> DraftHead:
+    """The head of `config` with uninitialized storage in `dtype` on `device` (the meta
+    device: no memory, what `specctl plan` counts), its rope frequencies float32 for
+    accuracy: every tensor `load_draft_head` fills, before it fills them."""
+    with torch.device("meta"):
+        head = DraftHead(config)
+    head = head.to_empty(device=device).to(dtype)
+    head.inv_freq = rope_inv_freq(config).to(device)
+    return head
