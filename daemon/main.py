@@ -237,7 +237,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         # Read before the scheduler starts, so a misfit is named in a second, not after
         # the weights load (the scheduler reads the same file again, for the model).
         model_config = ModelConfig.from_dir(config.engine.model_path)
-        check_vocabulary(tokenizer.vocab_size, model_config.vocab_size,
+        check_vocabulary(tokenizer.num_named_ids, model_config.vocab_size,
                          config.engine.model_path)
         model_config.served_len(config.engine.max_model_len)  # the limit, a sliding window
     except (OSError, ValueError) as exc:

@@ -73,8 +73,9 @@ class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A chat message as the model's template reads it: `content` is a string, a list of
     text parts, or nil (an assistant turn that only calls tools). `tool_calls` (assistant),
-    `tool_call_id` and `name` (a tool's result) are passed to the template as given; nil
-    fields are left out of what it sees."""
+    `tool_call_id` and `name` (a tool's result) are passed to the template as given, and so
+    is an assistant's earlier reasoning, `reasoning_content` or `reasoning` (the template
+    sees both names: chat_template.py); nil fields are left out of what it sees."""
 
     role: Annotated[str, Meta(min_length=1, max_length=64)]
     content: (Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
@@ -82,6 +83,8 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: Annotated[str, Meta(max_length=256)] | None = None
     tool_calls: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+    reasoning_content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    reasoning: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
 
 
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):

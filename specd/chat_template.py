@@ -14,6 +14,11 @@ escaping, `indent`, `separators`, `sort_keys`) and a no-op `{% generation %}` ta
 (`bos_token`, `eos_token`, ...), which template kwargs may override. Message keys whose
 value is None are dropped first, as transformers does (templates test for absent keys).
 
+An assistant's earlier reasoning comes as `reasoning_content` (vLLM's and SGLang's responses)
+or `reasoning` (vLLM's request field); templates read one name or the other (Kimi's, Qwen's
+and GLM's read `reasoning_content`), so a message that has one gets the other with the same
+value, as vLLM fills both from `reasoning`.
+
 Content given as a list of text parts (`[{"type": "text", "text": ...}]`) reaches a
 template that reads parts (one that looks up a `text` key or attribute anywhere) as it is;
 for a template that never reads a part's text, which could only print the list, the parts'
@@ -40,6 +45,7 @@ TEMPLATE_DIR = "additional_chat_templates"
 # The named special tokens transformers passes to every template (when the tokenizer has them).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
+REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
 class TemplateError(ValueError):
@@ -145,6 +151,9 @@ class ChatTemplate:
         if not isinstance(message, Mapping) or "role" not in message:
             raise TemplateError(f"messages[{index}] must be a mapping with a 'role'")
         out = {key: value for key, value in message.items() if value is not None}
+        given = [key for key in REASONING_KEYS if key in out]
+        if len(given) == 1:
+            out.update(dict.fromkeys(REASONING_KEYS, out[given[0]]))
         content = out.get("content")
         if isinstance(content, list) and not self.reads_text_parts:
             out["content"] = "\n".join(str(part.get("text", "")) for part in content)

@@ -10,12 +10,17 @@ from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 
 
 def check_vocabulary(tokenizer_vocab_size: int, model_vocab_size: int, model_path: Path) -> None:
-    """ValueError naming both sizes when the tokenizer can produce a token id (any id below
-    its vocabulary size, added tokens included) that the model's embedding has no row for.
+    """ValueError naming both sizes when the tokenizer can produce a token id that the
+    model's embedding has no row for. `tokenizer_vocab_size` counts the ids a tokenizer
+    needs rows for (`Tokenizer.num_named_ids`: its ids up to the last BPE rank or named
+    token, added tokens included).
 
     A model with more rows than the tokenizer has tokens is common (embeddings padded to a
     multiple of 64 or 128) and fits; the other way, a request would fail on the first such
-    token, blamed on the client, or read another row's garbage."""
+    token, blamed on the client, or read another row's garbage. Unnamed reserved specials
+    above the last named one (Kimi-K2's class makes two beyond its 163,840 rows) are no
+    misfit: no text but their own `<|reserved_token_N|>` encodes to them, and the engine
+    refuses a prompt with an id outside the model's vocabulary."""
     if tokenizer_vocab_size > model_vocab_size:
         raise ValueError(
             f"the tokenizer of {model_path} has {tokenizer_vocab_size} tokens but the "

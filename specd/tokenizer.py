@@ -15,6 +15,12 @@ tokens already start with: a prompt that begins with its BOS never gets a second
 `encode(text, add_special_tokens=False)` adds none; a rendered chat template is encoded so,
 since the template writes its own special tokens (transformers' `apply_chat_template` does
 the same).
+
+Chat requests reach the template as the model's tokenizer class would hand them on: for a
+`tiktoken.model` model, its class is read from its file as data (`tokenizer_code.py`) and
+what its `apply_chat_template` does first (Kimi's: tool keys sorted; K2.5's: tools declared
+in TypeScript as `tools_ts_str`, `thinking` true unless the request says otherwise) is done by
+`chat_preparation.py`. A `tokenizer.json` model's tools and kwargs reach the template as given.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from specd.chat_preparation import ChatPreparation
 from specd.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplates, Message, TemplateError
-from specd.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenBackend
+from specd.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenBackend, class_code
 from specd.token_bound import bytes_per_token_bound
 
 __all__ = ["TOKENIZER_FILES", "Message", "TemplateError", "Tokenizer", "TokenizerBackend"]
@@ -40,9 +47,12 @@ class TokenizerBackend(Protocol):
     """Text <-> ids for one file format. `encode` adds no special tokens of its own (special
     tokens written in the text are encoded as such); `decode` of ids with no token gives
     nothing for them. `max_bytes_per_token`: the most UTF-8 bytes of prompt text one token
-    can stand for (`token_bound.py`), or None, `bound_reason` saying why."""
+    can stand for (`token_bound.py`), or None, `bound_reason` saying why. `num_named_ids`:
+    the embedding rows the tokenizer needs (`vocab_size` less unnamed reserved ids at the
+    top, which only their own text in a prompt gives)."""
 
     vocab_size: int
+    num_named_ids: int
     max_bytes_per_token: int | None
     bound_reason: str
 
@@ -60,6 +70,7 @@ class HFBackend:
                  bound_reason: str) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.num_named_ids = self.vocab_size
         self.max_bytes_per_token = max_bytes_per_token
         self.bound_reason = bound_reason
 
@@ -114,11 +125,14 @@ class Tokenizer:
 
     `prefix_ids` / `suffix_ids`: the special tokens `encode` puts around a prompt (module
     docstring). `max_bytes_per_token` / `bound_reason`: the backend's byte bound per token.
+    `vocab_size` / `num_named_ids`: the backend's. `chat_preparation`: what the model's
+    tokenizer class does to a chat request before its template renders (module docstring).
     """
 
     def __init__(self, backend: TokenizerBackend, config: Mapping[str, Any],
                  prefix_ids: Sequence[int], suffix_ids: Sequence[int],
-                 eos_token_ids: tuple[int, ...], chat_templates: ChatTemplates) -> None:
+                 eos_token_ids: tuple[int, ...], chat_templates: ChatTemplates,
+                 chat_preparation: ChatPreparation) -> None:
         self._backend = backend
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
                                if (text := _token_text(config.get(name))) is not None}
@@ -128,7 +142,9 @@ class Tokenizer:
         self.suffix_ids = tuple(suffix_ids)
         self.eos_token_ids = eos_token_ids
         self.chat_templates = chat_templates
+        self.chat_preparation = chat_preparation
         self.vocab_size = backend.vocab_size
+        self.num_named_ids = backend.num_named_ids
         self.max_bytes_per_token = backend.max_bytes_per_token
         self.bound_reason = backend.bound_reason
 
@@ -144,17 +160,22 @@ class Tokenizer:
         config = _read_json(root / "tokenizer_config.json")
         backend: TokenizerBackend
         affixes = None
+        preparation = ChatPreparation()
         if (root / HF_TOKENIZER_FILE).is_file():
             hf_backend = HFBackend.from_file(root / HF_TOKENIZER_FILE)
             backend, affixes = hf_backend, hf_backend.post_processor_affixes()
         elif (root / TIKTOKEN_FILE).is_file():
-            backend = TiktokenBackend.from_dir(root, config)
+            code = class_code(root, config)
+            backend = TiktokenBackend.from_dir(root, config, code)
+            if code is not None:
+                preparation = code.chat
         else:
             raise ValueError(f"{root}: no tokenizer: neither {HF_TOKENIZER_FILE} nor "
                              f"{TIKTOKEN_FILE} in the model directory")
         prefix, suffix = affixes if affixes is not None else _flag_affixes(backend, config)
         eos_ids = _eos_ids(root, backend, _token_text(config.get("eos_token")))
-        return cls(backend, config, prefix, suffix, eos_ids, ChatTemplates.from_dir(root, config))
+        return cls(backend, config, prefix, suffix, eos_ids, ChatTemplates.from_dir(root, config),
+                   preparation)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, the tokenizer's prompt rule
@@ -173,13 +194,15 @@ class Tokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]), as
-        transformers' `apply_chat_template(..., tokenize=False)` renders it: `tools` (JSON
+        transformers' `apply_chat_template(..., tokenize=False)` renders it, after the
+        model's tokenizer class prepared the request (`chat_preparation`): `tools` (JSON
         schemas) pick the "tool_use" template when the model names one; `template_kwargs`
-        (e.g. `enable_thinking`) are template variables and override the special tokens.
-        Encode the result with `add_special_tokens=False`. Raises TemplateError."""
+        (e.g. `enable_thinking`, `thinking`) are template variables and override the
+        special tokens. Encode the result with `add_special_tokens=False`. Raises
+        TemplateError."""
         template = self.chat_templates.select(has_tools=tools is not None)
-        variables = {**self.special_tokens, **template_kwargs, "documents": None,
-                     "tools": None if tools is None else list(tools),
+        prepared, kwargs = self.chat_preparation.prepare(tools, template_kwargs)
+        variables = {**self.special_tokens, **kwargs, "documents": None, "tools": prepared,
                      "add_generation_prompt": add_generation_prompt}
         return template.render(messages, variables)
 

@@ -26,6 +26,13 @@ CLIENT_MESSAGES = [
     m.Tokenize(id=11, prompt="def f():"),
     m.Tokenize(id=12, messages=[m.ChatMessage("user", "hi")],
                chat_template_kwargs={"add_generation_prompt": False}),
+    m.Generate(id=13, messages=[
+        m.ChatMessage("assistant", None, reasoning_content="call it", tool_calls=[
+            {"id": "functions.f:0", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}]),
+        m.ChatMessage("tool", "42", tool_call_id="functions.f:0"),
+        m.ChatMessage("assistant", "It is 42.", reasoning="read it")],
+        chat_template_kwargs={"thinking": False}),
 ]
 SERVER_MESSAGES = [
     m.Delta(id=1, text="hé", token_ids=[3, 4]),
@@ -123,6 +130,9 @@ def _decode_client(obj: typing.Any) -> m.ClientMessage:
           ({"logit_bias": {"5": 1.0}}, "Expected `int`, got `str`"),
           ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "at most 1024 entries"),
       ]],
+    ({"type": "generate", "id": 1, "messages": [
+        {"role": "assistant", "content": "x", "reasoning_content": ["not", "text"]}]},
+     "at `$.messages[0].reasoning_content`"),
     ({"type": "spec", "id": 1, "mode": "sometimes"}, "$.mode"),
     ({"type": "launch", "id": 1}, "Invalid value 'launch'"),
     ([1, 2, 3], "Expected `object`"),

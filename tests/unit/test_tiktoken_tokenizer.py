@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import tiktoken
+from kimi_tokenizer_files import write_kimi_code
 from tiktoken.load import load_tiktoken_bpe
 
 from specd.daemon.config import DaemonConfig
@@ -60,8 +61,11 @@ TEXTS = ["hello world", "Hello World's hello", "你好你好你好 world", "🙂
          "中文English混合 123456", "x" * 100, ""]
 
 
-def write_model(root: Path, **config: Any) -> Path:
+def write_model(root: Path, code: str | None = "k2", **config: Any) -> Path:
+    """A Kimi-like model directory; `code`: which class's tokenization_kimi.py (none: None)."""
     root.mkdir(parents=True, exist_ok=True)
+    if code is not None:
+        write_kimi_code(root, code)
     ranks = [bytes([b]) for b in range(256)] + MERGES
     (root / "tiktoken.model").write_text("".join(
         f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(ranks)))

@@ -52,7 +52,7 @@ class Engine:
                             for name in TOKENIZER_FILES)
         self.tokenizer = Tokenizer.from_dir(self.config.model_path) if has_tokenizer else None
         if self.tokenizer is not None:  # before the weights load, as the daemon does
-            check_vocabulary(self.tokenizer.vocab_size,
+            check_vocabulary(self.tokenizer.num_named_ids,
                              ModelConfig.from_dir(self.config.model_path).vocab_size,
                              self.config.model_path)
         self.core = EngineCore(self.config)
