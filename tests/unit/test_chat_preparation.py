@@ -20,8 +20,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_kimi_tools import REFERENCE
-from test_tiktoken_tokenizer import write_model
 from transformers import AutoTokenizer
 
 from specd.chat_preparation import ChatPreparation
@@ -32,6 +30,8 @@ from specd.ipc import messages as m
 from specd.kimi_tools import typescript_tools
 from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR
+from tests.unit.test_kimi_tools import REFERENCE
+from tests.unit.test_tiktoken_tokenizer import write_model
 
 # Prints every variable the Kimi classes' code may set, and every message field.
 PROBE = (

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import tiktoken
-from kimi_tokenizer_files import write_kimi_code
 from tiktoken.load import load_tiktoken_bpe
 
 from specd.daemon.config import DaemonConfig
@@ -23,6 +22,7 @@ from specd.exit_codes import EXIT_CONFIG
 from specd.tiktoken_tokenizer import KIMI_PATTERN, MAX_ENCODE_CHARS, MAX_RUN_CHARS, _pieces
 from specd.tokenizer import Tokenizer
 from specd.workers.config import EngineConfig
+from tests.unit.kimi_tokenizer_files import write_kimi_code
 
 # Kimi's pat_str (tokenization_kimi.py), written out again as the oracle's.
 PATTERN = "|".join([

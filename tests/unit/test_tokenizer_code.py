@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kimi_tokenizer_files import K2_CHAT, K25_BLOCK, K25_CHAT, kimi_code, write_kimi_code
-from test_tiktoken_tokenizer import NUM_BASE, write_model
 
 from specd.chat_preparation import SORT_TOOLS, TYPESCRIPT_TOOLS
 from specd.model_fit import check_vocabulary
 from specd.tiktoken_tokenizer import KIMI_PATTERN
 from specd.tokenizer import Tokenizer
 from specd.tokenizer_code import KIMI_CLASS, read_tokenizer_code
+from tests.unit.kimi_tokenizer_files import K2_CHAT, K25_BLOCK, K25_CHAT, kimi_code, write_kimi_code
+from tests.unit.test_tiktoken_tokenizer import NUM_BASE, write_model
 
 
 def added(token_id: int, text: str) -> dict[str, Any]:
