@@ -3,19 +3,20 @@
 A paged cache holds, per layer, either per-head K/V (`[2, num_blocks, block_size, kv_heads,
 head_dim]`, attention.py) or MLA's latent rows (`[num_blocks, block_size, R + P]`,
 latent_attention.py); `ModelConfig.kv_layer_shape` gives the shape. Each layout is a
-`KvLayout`: how its slots are copied (speculative KV compaction) and its attention backend
-on each kind of device:
+`KvLayout`: its attention backend on each kind of device, and how its slots are copied
+(speculative KV compaction):
 
-    layout     CUDA (Triton kernels)                    elsewhere (torch, the CPU groups)
-    PER_HEAD   kernels/tree_attention.py                 attention.paged_attention_cpu
-    LATENT     kernels/mla_attention.py, absorbed        per query group: expanded when
-               (q_nope·W_UK in, ·W_UV out)                causal with >= 16 rows, else absorbed
+    layout     on CUDA (Triton kernels)                 on the CPU (torch, the metadata's groups)
+    PER_HEAD   kernels/tree_attention.py                attention.paged_attention_cpu
+    LATENT     kernels/mla_attention.py, every row      per query group: expanded when causal
+               absorbed (q_nope·W_UK in, ·W_UV out)     with >= 16 rows a sequence, else absorbed
 
-`KvLayout.attention(device)` is the one choice (attention.uses_kernels: CUDA or not); a model
-makes it in its constructor (causal_lm.CausalLM, from the device its rotary frequencies live
-on) and hands the backend to every attention layer, which calls its `store` and `attend`
-and never looks at the device. The EAGLE-3 head does the same for its per-head cache
-(workers/spec/draft_model.py). Every backend is stateless and shared.
+`KvLayout.attention(device)` is the one choice (`attention.uses_kernels`, which also decides
+whether the metadata carries CPU groups). A model makes it in its constructor
+(causal_lm.CausalLM, for the device it runs on) and hands the backend to every attention
+layer, which calls its `store` and `attend` and never looks at the device; the EAGLE-3 head
+does the same for its per-head cache (workers/spec/draft_model.py). Backends hold no state
+but an immutable setting, so one instance serves every layer and model.
 """
 
 from __future__ import annotations
