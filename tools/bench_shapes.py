@@ -191,7 +191,7 @@ def build_target(raw: dict[str, Any], device: torch.device, dtype: torch.dtype
 
 def build_draft(raw: dict[str, Any], device: torch.device, dtype: torch.dtype) -> DraftHead:
     with torch.device(device):
-        head = DraftHead(DraftConfig.from_dict(raw))
+        head = DraftHead(DraftConfig.from_dict(raw), device)
     _to_dtype(head, dtype)
     _randomize(head)
     head.d2t.zero_()

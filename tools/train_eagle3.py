@@ -325,7 +325,7 @@ def train(args: argparse.Namespace) -> None:
 
     cfg = head_config(tcfg, len(d2t), aux_ids)
     resolve_aux_layer_ids(cfg, num_layers)  # validates the ids against the target
-    head = DraftHead(cfg).to(args.device)
+    head = DraftHead(cfg, torch.device(args.device)).to(args.device)
     head.embed_tokens.weight = target.get_input_embeddings().weight  # shared, frozen
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)

@@ -36,6 +36,7 @@ from specd.workers.models.config import ModelConfig
 from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specd.workers.models.loader import load_model
 from specd.workers.runner.attention import build_attention_metadata
+from specd.workers.runner.attention_backend import LATENT, TorchLatentAttention
 
 transformers = pytest.importorskip("transformers")
 
@@ -237,10 +238,10 @@ def test_expanded_and_absorbed_paths_agree(models: tuple[Any, DeepseekV3ForCausa
     outputs = []
     for threshold in (1, 10**6):
         for layer in model.model.layers:
-            layer.self_attn.expand_min_query_len = threshold
+            layer.self_attn.attention = TorchLatentAttention(expand_min_query_len=threshold)
         outputs.append(Paged(model).step([(0, tokens)])[0])
     for layer in model.model.layers:
-        layer.self_attn.expand_min_query_len = 16
+        layer.self_attn.attention = LATENT.on_cpu
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
 
 

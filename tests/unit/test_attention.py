@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.workers.runner.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.runner.attention import build_attention_metadata, paged_attention_cpu, store_kv
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 6, 8
@@ -64,7 +64,7 @@ def test_causal_paged_attention_matches_reference(query_lens: list[int],
                                                   seq_lens: list[int]) -> None:
     q, cache, tables = random_case(query_lens, seq_lens, seed=0)
     meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU)
-    got = paged_attention(q, cache, meta, scale=0.3)
+    got = paged_attention_cpu(q, cache, meta, scale=0.3)
     torch.testing.assert_close(got, reference(q, cache, query_lens, seq_lens, tables, 0.3, None),
                                atol=1e-5, rtol=0)
 
@@ -79,7 +79,7 @@ def test_tree_masked_paged_attention_matches_reference() -> None:
     mask = torch.tensor(tree + tree + chain, dtype=torch.int64)
     q, cache, tables = random_case(query_lens, seq_lens, seed=1)
     meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU, mask)
-    got = paged_attention(q, cache, meta, scale=0.3)
+    got = paged_attention_cpu(q, cache, meta, scale=0.3)
     torch.testing.assert_close(got, reference(q, cache, query_lens, seq_lens, tables, 0.3, mask),
                                atol=1e-5, rtol=0)
 
@@ -118,7 +118,7 @@ def test_cpu_path_agrees_with_the_kernel_reference() -> None:
     expected = tree_attention.tree_attention_ref(
         q, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
         meta.tree_mask, 0.3, meta.max_query_len)
-    torch.testing.assert_close(paged_attention(q, cache, meta, 0.3), expected, atol=1e-5,
+    torch.testing.assert_close(paged_attention_cpu(q, cache, meta, 0.3), expected, atol=1e-5,
                                rtol=0)
 
 
@@ -136,7 +136,7 @@ def test_a_device_side_shift_gives_the_metadata_of_the_shifted_lengths() -> None
     assert torch.equal(shifted.seq_lens, exact.seq_lens)
     assert shifted.max_seq_len >= exact.max_seq_len
     scale = HEAD_DIM ** -0.5
-    torch.testing.assert_close(paged_attention(q, cache, shifted, scale),
+    torch.testing.assert_close(paged_attention_cpu(q, cache, shifted, scale),
                                reference(q, cache, query_lens, true_lens, tables, scale, None),
                                rtol=1e-5, atol=1e-5)
 

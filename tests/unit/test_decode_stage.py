@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.workers.runner.attention import build_attention_metadata, paged_attention, store_kv
+from specd.workers.runner.attention import build_attention_metadata, paged_attention_cpu, store_kv
 from specd.workers.runner.cpu_backend import CpuBackend
 from specd.workers.runner.decode_stage import DecodeStage, assign_rows
 
@@ -42,8 +42,8 @@ def decode_both(cache: Cache, stage: DecodeStage, tables: list[list[int]], lens:
     cache.write(tables, [[n - 1] for n in lens])
     q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, generator=cache.gen)
     args = ([1] * len(lens), lens, tables, BLOCK_SIZE, CPU)
-    staged = paged_attention(q, cache.kv, build_attention_metadata(*args, stage=stage), 0.3)
-    fresh = paged_attention(q, cache.kv, build_attention_metadata(*args), 0.3)
+    staged = paged_attention_cpu(q, cache.kv, build_attention_metadata(*args, stage=stage), 0.3)
+    fresh = paged_attention_cpu(q, cache.kv, build_attention_metadata(*args), 0.3)
     return staged, fresh
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.workers.models.deepseek_v3 import latent_attention_group, store_latent
 from specd.workers.runner.attention import build_attention_metadata
+from specd.workers.runner.latent_attention import absorbed_group, store_latent
 
 mla_kernel = pytest.importorskip("specd.kernels.mla_attention")
 
@@ -41,8 +41,8 @@ def test_group_attention_matches_the_kernel_reference(tree: bool) -> None:
     scale = 0.37
     got = torch.empty(n, HEADS, RANK)
     for group in meta.groups:
-        got[group.rows] = latent_attention_group(q_latent[group.rows], q_pe[group.rows], cache,
-                                                 group, scale)
+        got[group.rows] = absorbed_group(q_latent[group.rows], q_pe[group.rows], cache, group,
+                                         scale)
     expected = mla_kernel.mla_attention_ref(q_latent, q_pe, cache, meta.block_tables,
                                             meta.seq_lens, meta.query_start_loc, tree_mask,
                                             scale, meta.max_query_len)

@@ -18,7 +18,7 @@ def test_unrolled_step_attends_to_prefix_and_its_own_ancestors():
     """Row i of step k equals a dense causal pass over [step-0 rows 0..i, row i of steps
     1..k], at positions 0..i, i+1..i+k: what a depth-k draft token sees when serving."""
     torch.manual_seed(0)
-    head = DraftHead(CFG)
+    head = DraftHead(CFG, torch.device("cpu"))
     batch, num_rows, num_steps = 2, 6, 3
     embeds = [torch.randn(batch, num_rows, 32) for _ in range(num_steps)]
     hidden = [torch.randn(batch, num_rows, 32) for _ in range(num_steps)]
@@ -50,7 +50,7 @@ def test_draft_vocab_keeps_the_most_frequent_tokens():
 
 def test_saved_head_has_the_published_layout_and_loads(tmp_path):
     torch.manual_seed(1)
-    head = DraftHead(CFG)
+    head = DraftHead(CFG, torch.device("cpu"))
     d2t, t2d, _ = draft_vocab(torch.randint(0, 50, (4, 64)), 50, 20)
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)

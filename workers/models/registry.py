@@ -1,38 +1,38 @@
 """Model registry: architecture name (config.json's `architectures[0]`) -> model class.
 
-The Llama family (Llama, Mistral, Qwen2, Qwen3) is served by the one dense decoder;
-DeepSeek-V3 / Kimi-K2 by the MLA + MoE model. Both classes share one interface (`forward`,
-`embed_tokens`, `compute_logits`, `copy_kv_slots`, `config`, `model.layers`) over paged
-cache layers of `ModelConfig.kv_layer_shape` (per-head K/V, or one latent row per token);
-`CausalLM` names either. A new family adds a module here, a line to `MODEL_CLASSES` and its
-`STACKED_PARAMS`.
+Every class is a `CausalLM` (workers/models/causal_lm.py, the shell and its interface:
+`forward`, `embed_tokens`, `compute_logits`, `copy_kv_slots`, `config`, `model.layers`,
+`process_weights_after_loading`) over paged cache layers of `ModelConfig.kv_layer_shape`.
+The Llama family (Llama, Mistral, Qwen2, Qwen3) is served by the dense decoder; DeepSeek-V3 /
+Kimi-K2 by the MLA + MoE model. A new architecture is its own module and a line here
+(docs/architecture.md, "Adding an architecture"); config.py's SUPPORTED_ARCHITECTURES names
+what `ModelConfig` parses, and the registry serves exactly those.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
 import torch
 
-from specd.workers.models import decoder, deepseek_v3
-from specd.workers.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specd.workers.models.causal_lm import CausalLM, StackedParams
+from specd.workers.models.config import ModelConfig
 from specd.workers.models.decoder import DecoderForCausalLM
-from specd.workers.models.deepseek_config import MLA_ARCHITECTURE
 from specd.workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specd.workers.models.layers import LinearFactory, dense_linear
 from specd.workers.parallel.context import SINGLE_RANK, ParallelContext
 
-CausalLM: TypeAlias = DecoderForCausalLM | DeepseekV3ForCausalLM
+__all__ = ["MODEL_CLASSES", "STACKED_PARAMS", "CausalLM", "build_meta_model"]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    name: DecoderForCausalLM for name in SUPPORTED_ARCHITECTURES if name != MLA_ARCHITECTURE
-} | {MLA_ARCHITECTURE: DeepseekV3ForCausalLM}
+    "LlamaForCausalLM": DecoderForCausalLM,
+    "MistralForCausalLM": DecoderForCausalLM,
+    "Qwen2ForCausalLM": DecoderForCausalLM,
+    "Qwen3ForCausalLM": DecoderForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+}
 
 # (fused module, checkpoint module, shard index) of each class: how checkpoint tensors stack.
-STACKED_PARAMS: dict[type[CausalLM], tuple[tuple[str, str, int], ...]] = {
-    DecoderForCausalLM: decoder.STACKED_PARAMS,
-    DeepseekV3ForCausalLM: deepseek_v3.STACKED_PARAMS,
-}
+STACKED_PARAMS: dict[type[CausalLM], StackedParams] = {
+    cls: cls.stacked_params for cls in MODEL_CLASSES.values()}
 
 
 def build_meta_model(cfg: ModelConfig, device: torch.device,

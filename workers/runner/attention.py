@@ -1,4 +1,5 @@
-"""Paged attention: the metadata one step shares across layers, and the one dispatch point.
+"""Paged attention over per-head K/V: the metadata one step shares across layers, and the
+torch path (the CPU's).
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K = [0],
 V = [1]); token t of a sequence lives in slot `block_ids[t // block_size] * block_size +
@@ -15,10 +16,14 @@ padded `[G, max_blocks * block_size]` key tensor and attended by one masked
 `scaled_dot_product_attention`. Plain decode (every T = 1) is therefore one call per layer
 whatever the batch size; prefill chunks of different lengths are one call each. The gather
 indices and masks are built once per step in `build_attention_metadata`.
+
+Which path a layer runs (this torch path or kernels/tree_attention.py, and MLA's latent
+paths) is chosen once per model in workers/runner/attention_backend.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -116,7 +121,7 @@ def build_attention_metadata(
         kv_pos = kv_pos + shift[seq_of_row]
     slot_mapping = tables[seq_of_row, kv_pos // block_size] * block_size + kv_pos % block_size
     groups: tuple[QueryGroup, ...] = ()
-    if device.type == "cpu":
+    if not uses_kernels(device):
         groups = _build_groups(query_lens, seq_lens, tables, start_loc, block_size, tree_mask,
                                slot_mapping, block_tables, stage, s_lens, bounds)
     return AttentionMetadata(
@@ -134,6 +139,12 @@ def build_attention_metadata(
     )
 
 
+def uses_kernels(device: torch.device) -> bool:
+    """Whether attention on `device` runs the Triton kernels (CUDA) rather than the torch
+    paths, which read the metadata's CPU groups: the one device test of attention."""
+    return device.type == "cuda"
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's k, v [N, num_kv_heads, head_dim] into their slots."""
@@ -142,25 +153,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
     kv_cache_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [N, num_heads, head_dim] over the paged cache -> [N, num_heads, head_dim].
-
-    The one dispatch point: the Triton tree-attention kernel on CUDA, the grouped pure-torch
-    path on the CPU.
-    """
-    if q.is_cuda:
-        from specd.kernels.tree_attention import tree_attention
-
-        return tree_attention(q, kv_cache_layer[0], kv_cache_layer[1], meta.block_tables,
-                              meta.seq_lens, meta.query_start_loc, meta.tree_mask, scale,
-                              meta.max_query_len, max_seq_len=meta.max_seq_len)
-    return paged_attention_cpu(q, kv_cache_layer, meta, scale)
+def copy_kv_slots(kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
+                  dst_slots: torch.Tensor) -> None:
+    """Copy the K and V of cache slots `src_slots` to `dst_slots` (int64 [M] each, slot =
+    block * block_size + offset) in every layer [2, blocks, block_size, kv_heads, d]."""
+    for layer in kv_caches:
+        flat = layer.view(2, -1, *layer.shape[-2:])  # [2, slots, kv_heads, d]
+        flat[:, dst_slots] = flat[:, src_slots]
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """One masked SDPA per query-length group (see module docstring)."""
+    """q [N, num_heads, head_dim] over the paged cache -> [N, num_heads, head_dim]: one
+    masked SDPA per query-length group (see module docstring)."""
     if not meta.groups:
         raise ValueError("attention metadata has no CPU groups (it was built for CUDA)")
     if len(meta.groups) == 1 and meta.groups[0].is_all_rows:

@@ -29,8 +29,9 @@ the rule of the format that wrote it (`draft_config.AUX_ID_OFFSET`) into transfo
 k-1); the reference default for a target of L blocks is (2, L // 2, L - 3).
 
 The attention goes through `attend`: with a KV cache and attention metadata it writes this
-step's K/V into the paged cache and calls `specd.workers.runner.attention.paged_attention`; without
-them it is dense causal attention over one sequence (tests, the dense tools). The trainer
+step's K/V into the paged cache and attends through the head's per-head backend, chosen once
+from its device (workers/runner/attention_backend.py); without them it is dense causal
+attention over one sequence (tests, the dense tools). The trainer
 uses `qkv`/`finish`/`logits` to run its own attention for training-time-test unrolling.
 """
 
@@ -44,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.workers.models.layers import RMSNorm
-from specd.workers.runner.attention import AttentionMetadata, paged_attention, store_kv
+from specd.workers.runner.attention import AttentionMetadata
+from specd.workers.runner.attention_backend import PER_HEAD, PerHeadAttention
 from specd.workers.spec.draft_config import DraftConfig
 from specd.workers.spec.head_files import read_draft_config, read_head_tensors
 
@@ -110,13 +112,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-           meta: AttentionMetadata | None, scale: float) -> torch.Tensor:
+           meta: AttentionMetadata | None, scale: float, attention: PerHeadAttention
+           ) -> torch.Tensor:
     """Attention for N query rows: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d].
 
     With `kv_cache` [2, num_blocks, block_size, kv_heads, d] and `meta` (AttentionMetadata of
-    `specd.workers.runner.attention`), K/V are written at `meta.slot_mapping` and the paged
-    attention runs over each sequence's cached prefix (tree mask as in the shared contract).
-    Without them, the rows are one sequence attended causally (dense; tests and tools).
+    `specd.workers.runner.attention`), K/V are written at `meta.slot_mapping` and `attention`
+    runs over each sequence's cached prefix (tree mask as in the shared contract), in the
+    cache's dtype. Without them, the rows are one sequence attended causally (dense; tests
+    and tools).
     """
     if kv_cache is None:
         if meta is not None:
@@ -124,8 +128,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         return _dense_causal(q, k, v, scale)
     if meta is None:
         raise ValueError("attend: a kv_cache needs this step's attention metadata")
-    store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
-    return paged_attention(q.to(kv_cache.dtype), kv_cache, meta, scale).to(q.dtype)
+    attention.store(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
+    return attention.attend(q.to(kv_cache.dtype), kv_cache, meta, scale).to(q.dtype)
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -141,17 +145,20 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 class DraftHead(nn.Module):
     """An EAGLE-3 head; parameter and buffer names are the published checkpoint's.
 
-    Build with `load_draft_head` (or `DraftHead(config)` + `load_weights`). `embed_tokens`
-    holds the target's embedding weight (the same storage) unless the checkpoint has its own.
+    Build with `load_draft_head` (or `DraftHead(config, device)` + `load_weights`).
+    `embed_tokens` holds the target's embedding weight (the same storage) unless the
+    checkpoint has its own. `device`: where its paged attention runs (the backend is chosen
+    from it here; the dense forwards run anywhere).
     """
 
     d2t: torch.Tensor  # int64 [draft_vocab_size]: target id = draft id + d2t[draft id]
     t2d: torch.Tensor  # bool [vocab_size]: target tokens in the draft vocabulary
     inv_freq: torch.Tensor  # float32 [head_dim // 2]
 
-    def __init__(self, config: DraftConfig) -> None:
+    def __init__(self, config: DraftConfig, device: torch.device) -> None:
         super().__init__()
         self.config = config
+        self.attention = PER_HEAD.attention(device)
         h = config.hidden_size
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
         self.midlayer = MidLayer(config)
@@ -216,7 +223,7 @@ class DraftHead(nn.Module):
                 raise ValueError("DraftHead.forward: give input_ids or embeds")
             embeds = self.embed_tokens(input_ids)
         q, k, v = self.qkv(embeds, hidden, positions)
-        return self.finish(attend(q, k, v, kv_cache, meta, self.scale), hidden)
+        return self.finish(attend(q, k, v, kv_cache, meta, self.scale, self.attention), hidden)
 
     def forward_dense(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -342,7 +349,7 @@ def empty_draft_head(config: DraftConfig, dtype: torch.dtype,
     device: no memory, what `specctl plan` counts), its rope frequencies float32 for
     accuracy: every tensor `load_draft_head` fills, before it fills them."""
     with torch.device("meta"):
-        head = DraftHead(config)
+        head = DraftHead(config, torch.device(device))
     head = head.to_empty(device=device).to(dtype)
     head.inv_freq = rope_inv_freq(config).to(device)
     return head
