@@ -14,6 +14,7 @@ logits.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -107,24 +108,59 @@ def _prefill_logits(model_dir: Path) -> torch.Tensor:
                                                                          runner.device)))
 
 
-def test_kimi_k25_wrapper_matches_names_with_its_language_model_prefix(
-        int4_dir: Path, tmp_path: Path) -> None:
-    """The same INT4 checkpoint as Kimi-K2.5 lays it out (config under text_config, tensors
-    under `language_model.`, a vision tower beside it, the ignore list naming
-    `language_model.lm_head`) serves the same logits: names are matched with the prefix."""
+def _kimi_k25_layout(int4_dir: Path, wrapped: Path, ignore: list[str]) -> Path:
+    """The INT4 checkpoint as Kimi-K2.5 lays it out: config under text_config, tensors under
+    `language_model.` beside a vision tower, the quantization_config (with `ignore`) at the
+    top level and in text_config, as the release carries it."""
     from safetensors.torch import load_file, save_file
 
-    wrapped = tmp_path / "k25"
     shutil.copytree(int4_dir, wrapped)
     tensors = {f"language_model.{k}": v
                for k, v in load_file(int4_dir / "model.safetensors").items()}
     tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(wrapped / "model.safetensors"))
     text = json.loads((int4_dir / "config.json").read_text())
-    qcfg = text.pop("quantization_config")
-    qcfg["ignore"] = ["language_model.lm_head", "re:vision_tower.*", *qcfg["ignore"][1:]]
+    qcfg = text["quantization_config"]
+    qcfg["ignore"] = ignore
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
               "text_config": text, "vision_config": {}, "quantization_config": qcfg}
     (wrapped / "config.json").write_text(json.dumps(config))
+    return wrapped
+
+
+def test_kimi_k25_wrapper_matches_names_with_its_language_model_prefix(
+        int4_dir: Path, tmp_path: Path) -> None:
+    """The same INT4 checkpoint as Kimi-K2.5 lays it out, the ignore list naming
+    `language_model.lm_head`, serves the same logits: names are matched with the prefix."""
+    wrapped = _kimi_k25_layout(int4_dir, tmp_path / "k25", [
+        "language_model.lm_head", "re:vision_tower.*", *quantize_tool.MOE_IGNORE[1:]])
     torch.testing.assert_close(_prefill_logits(wrapped), _prefill_logits(int4_dir), atol=0,
                                rtol=0)
+
+
+def test_kimi_k25_published_ignore_list_serves_transformers_tokens(
+        int4_dir: Path, expected: list[list[int]], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Kimi-K2.5's published list (an exact `lm_head`, which matches no prefixed name) over
+    its layout: lm_head, stored dense, loads dense with one line saying so, and greedy
+    decoding gives transformers' tokens of the same weights (float32)."""
+    wrapped = _kimi_k25_layout(int4_dir, tmp_path / "k25", list(quantize_tool.MOE_IGNORE))
+    with caplog.at_level(logging.INFO, logger="specd.quantization"):
+        core = _engine(wrapped, speculative_algorithm=None)
+    assert [r.getMessage() for r in caplog.records
+            if getattr(r, "event", "") == "lm_head_dense"] == [
+        "language_model.lm_head loads dense (its checkpoint tensor is not packed) although "
+        "the quantization_config would make it INT4 (targets entry 'Linear' matches it and "
+        "no entry of ignore " + str(list(quantize_tool.MOE_IGNORE))
+        + " does); ignore entry 'lm_head' names it without the checkpoint's "
+        "'language_model.' prefix, and entries are matched against the names as the "
+        "checkpoint spells them, as compressed-tensors matches them; an LM head is INT4 only "
+        "when stored packed"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        core.add_request(f"r{i}", ids, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id] += delta.new_token_ids
+    assert list(out.values()) == expected

@@ -102,7 +102,9 @@ def test_kimi_k25_names_are_checked_with_the_language_model_prefix(int4_moe: Pat
                                                                    tmp_path: Path) -> None:
     """The INT4 MoE checkpoint laid out as Kimi-K2.5 (tensors under `language_model.`, a
     vision tensor beside them): its ignore list names `language_model.lm_head`; without that
-    entry lm_head is INT4 by `targets` and its dense tensor is refused under its full name."""
+    entry lm_head, stored dense, still loads dense (an LM head is INT4 only when stored
+    packed: workers/models/quant_stored.py), and without the shared experts' pattern their
+    dense tensors are refused under their full names."""
     wrapped = tmp_path / "k25"
     wrapped.mkdir()
     tensors = {f"language_model.{k}": v
@@ -123,8 +125,12 @@ def test_kimi_k25_names_are_checked_with_the_language_model_prefix(int4_moe: Pat
 
     stored = stored_tensors(wrapped)
     check_int4_storage(config(ignore), stored)
-    with pytest.raises(ValueError, match=r"tensor language_model\.lm_head\.weight is stored "
-                                         r"dense \(BF16 \[4096, 128\]\), but the "
-                                         r"quantization_config makes language_model\.lm_head "
+    check_int4_storage(config(ignore[1:]), stored)
+    without_shared = [entry for entry in ignore if entry != "re:.*shared_experts.*"]
+    with pytest.raises(ValueError, match=r"tensor language_model\.model\.layers\.1\.mlp\."
+                                         r"shared_experts\.(gate|up|down)_proj\.weight is "
+                                         r"stored dense \(BF16 \[\d+, \d+\]\), but the "
+                                         r"quantization_config makes language_model\.model\."
+                                         r"layers\.1\.mlp\.shared_experts\.(gate|up|down)_proj "
                                          r"INT4 \(targets entry 'Linear' matches it"):
-        check_int4_storage(config(ignore[1:]), stored)
+        check_int4_storage(config(without_shared), stored)

@@ -29,6 +29,7 @@ from torch import nn
 from specd.workers.models.quantization import (
     Int4Linear,
     QuantConfig,
+    StoredLinears,
     dequantize_int4,
     is_quantized,
     linear_factory_for,
@@ -404,7 +405,11 @@ def test_names_are_matched_as_the_checkpoint_spells_them() -> None:
     assert isinstance(factory(64, 1000, False, ("lm_head",)), nn.Linear)
     assert isinstance(factory(64, 64, False, ("model.layers.0.self_attn.o_proj",)), nn.Linear)
     assert isinstance(factory(64, 64, False, ("model.layers.0.mlp.down_proj",)), Int4Linear)
-    unprefixed = linear_factory_for(config, dense)
+    # Without the prefix the entries do not match lm_head: the config alone makes it INT4,
+    # and it loads INT4 when the checkpoint stores it packed (dense otherwise: quant_stored).
+    assert is_quantized("lm_head", QuantConfig.from_dict(config))
+    packed = StoredLinears.from_names(["lm_head.weight_packed", "lm_head.weight_scale"])
+    unprefixed = linear_factory_for(config, dense, stored=packed)
     assert isinstance(unprefixed(64, 1024, False, ("lm_head",)), Int4Linear)
 
 

@@ -3,8 +3,10 @@ quantization_config makes INT4.
 
 The model built with the checkpoint's linear factory holds an INT4 layer there, which loads
 compressed-tensors' `weight_packed`, `weight_scale`, ... tensors; a checkpoint that stores
-the module's dense `weight` instead (an `lm_head.weight` while `targets` / `ignore` make
-lm_head INT4) would fail only in the loader, late and vaguely ("matches no parameter").
+the module's dense `weight` instead (an attention projection while `targets` / `ignore`
+make it INT4) would fail only in the loader, late and vaguely ("matches no parameter").
+lm_head is not such a module: stored dense, the factory builds it dense whatever the config
+says (workers/models/quant_stored.py), and this check logs that once (`lm_head_dense`).
 `check_int4_storage` names the tensor and the config rule instead. It asks the model which
 modules are INT4 (built on the meta device with the factory, whose `targets` / `ignore`
 matching is quant_config.is_quantized, not repeated here) and reads the safetensors headers
@@ -14,8 +16,9 @@ only: tensor names, dtypes and shapes, no tensor data. The engine runs it at sta
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,11 +31,15 @@ from specd.workers.models.checkpoint import (
 )
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.linear_factory import linear_factory
-from specd.workers.models.quantization import Int4LinearFactory, QuantConfig, is_quantized
+from specd.workers.models.quant_config import int4_rule
+from specd.workers.models.quant_stored import OUTPUT_PROJECTION, dense_output_note
+from specd.workers.models.quantization import Int4LinearFactory
 from specd.workers.models.registry import STACKED_PARAMS, CausalLM, build_meta_model
 
 # The suffix of the tensor an INT4 module loads first (compressed-tensors' pack-quantized).
 PACKED = "_packed"
+
+log = logging.getLogger("specd.quantization")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ def check_int4_storage(cfg: ModelConfig,
     if not isinstance(make_linear, Int4LinearFactory):
         return
     model = build_meta_model(cfg, torch.device("cpu"), make_linear)
+    _note_dense_lm_head(cfg, model, make_linear)
     if stored is None:
         stored = stored_tensors(cfg.model_dir)
     for module in int4_modules(model):
@@ -108,12 +116,13 @@ def check_int4_storage(cfg: ModelConfig,
                 "describe this checkpoint")
 
 
-def int4_rule(name: str, qcfg: QuantConfig) -> str:
-    """Which part of `qcfg` makes module `name` INT4, in words: the `targets` entry that
-    matches it (matched by `is_quantized` itself, one target at a time), no `ignore` entry
-    matching it."""
-    targets = [t for t in qcfg.targets if is_quantized(name, replace(qcfg, targets=(t,)))]
-    matched = ", ".join(repr(t) for t in targets)
-    entries = "entry" if len(targets) == 1 else "entries"
-    return (f"targets {entries} {matched} {'matches' if len(targets) == 1 else 'match'} it "
-            f"and no entry of ignore {list(qcfg.ignore)} does")
+def _note_dense_lm_head(cfg: ModelConfig, model: CausalLM, make_linear: Int4LinearFactory
+                        ) -> None:
+    """Log once, when `model`'s lm_head is dense although the config alone would make it
+    INT4 (it is not stored packed), which rule would have."""
+    if model.lm_head is None or make_linear.is_quantized(OUTPUT_PROJECTION):
+        return
+    name = cfg.weight_prefix + OUTPUT_PROJECTION
+    note = dense_output_note(name, make_linear.quant_config, cfg.weight_prefix)
+    if note is not None:
+        log.info(note, extra={"event": "lm_head_dense", "linear": name})

@@ -7,9 +7,15 @@
   false, `static` or `weight` (these reorder nothing in the stored tensors and carry no
   `g_idx`), no activation or KV-cache quantization. Anything else (actorder `group`, other bit
   widths, other strategies) is a ValueError naming the field and its value.
-* `is_quantized(module_name, qcfg)`: a linear module is INT4 when a target matches it ("Linear"
-  matches every linear; other targets are exact names or `re:` patterns matched from the start
-  of the name, as compressed-tensors' `match_name`) and no `ignore` entry does.
+* `is_quantized(module_name, qcfg)`: whether the config makes a linear module INT4, exactly as
+  compressed-tensors' `is_match` decides it for a torch Linear: some target matches the module
+  and no `ignore` entry does. An entry matches by name (`match_name`: an exact name, or a
+  `re:` pattern `re.match`-ed from the start of the name) or by class name (a torch Linear's
+  classes are `Linear` and `Module`). Names are MODULE names (`model.layers.0.mlp.down_proj`,
+  never the tensor `...down_proj.weight`: `module_of`) spelled as the checkpoint spells them,
+  prefix included (Kimi-K2.5's `language_model.`). `int4_rule` and `dense_rule` say which
+  entries decided, for error messages. Whether a linear then loads INT4 also depends on what the
+  checkpoint stores (workers/models/quant_stored.py).
 
 The older `compression_config` key of config.json holds the same object; ModelConfig reads
 either (workers/models/config.py).
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specd.kernels.int4_layout import SUPPORTED_GROUP_SIZES
@@ -160,17 +166,57 @@ def _parse_weights(w: Any, where: str) -> tuple[int | None, bool]:
     return group_size, bool(w["symmetric"])
 
 
-def _match_name(name: str, pattern: str) -> bool:
-    """compressed-tensors' `match_name`: `re:` patterns with re.match, else exact equality."""
+# compressed-tensors' `_match_class` compares a plain (non-`re:`) entry with the names of the
+# module's classes; a torch Linear's are these (its MRO below object), so such an entry in
+# `targets` or `ignore` matches every linear.
+LINEAR_CLASS_NAMES = ("Linear", "Module")
+
+
+def match_name(name: str, pattern: str) -> bool:
+    """compressed-tensors' `match_name` (without vLLM's fused names): a `re:` pattern
+    `re.match`-ed from the start of `name` (so `re:.*lm_head$` needs no `^`, and an
+    unanchored-at-the-end pattern matches any name it prefixes), else exact equality."""
     if pattern.startswith("re:"):
         return re.match(pattern.removeprefix("re:"), name) is not None
     return pattern == name
 
 
+def module_of(tensor_name: str) -> str:
+    """The module a checkpoint tensor belongs to (`a.b.weight_packed` -> `a.b`): what targets
+    and ignore entries are matched against, as compressed-tensors' `match_quantizable_tensors`
+    splits a tensor name."""
+    return tensor_name.rpartition(".")[0]
+
+
+def _matches_linear(module_name: str, entry: str) -> bool:
+    return match_name(module_name, entry) or entry in LINEAR_CLASS_NAMES
+
+
 def is_quantized(module_name: str, qcfg: QuantConfig | None) -> bool:
-    """Whether the linear module `module_name` (checkpoint name, e.g.
-    "model.layers.0.self_attn.q_proj") is stored as INT4 under `qcfg`."""
+    """Whether `qcfg` makes the linear module `module_name` (the checkpoint's name, e.g.
+    "model.layers.0.self_attn.q_proj" or "language_model.lm_head") INT4: compressed-tensors'
+    `is_match(name, linear, targets, ignore)` (module docstring)."""
     if qcfg is None:
         return False
-    targeted = any(t == "Linear" or _match_name(module_name, t) for t in qcfg.targets)
-    return targeted and not any(_match_name(module_name, p) for p in qcfg.ignore)
+    return (any(_matches_linear(module_name, t) for t in qcfg.targets)
+            and not any(_matches_linear(module_name, p) for p in qcfg.ignore))
+
+
+def int4_rule(name: str, qcfg: QuantConfig) -> str:
+    """Which part of `qcfg` makes module `name` INT4, in words: the `targets` entries that
+    match it (matched by `is_quantized` itself, one target at a time), no `ignore` entry
+    matching it."""
+    targets = [t for t in qcfg.targets if is_quantized(name, replace(qcfg, targets=(t,)))]
+    matched = ", ".join(repr(t) for t in targets)
+    entries = "entry" if len(targets) == 1 else "entries"
+    return (f"targets {entries} {matched} {'matches' if len(targets) == 1 else 'match'} it "
+            f"and no entry of ignore {list(qcfg.ignore)} does")
+
+
+def dense_rule(name: str, qcfg: QuantConfig) -> str:
+    """Why `qcfg` leaves module `name` dense, in words: the first `ignore` entry that matches
+    it, or that no `targets` entry does."""
+    ignored = next((p for p in qcfg.ignore if _matches_linear(name, p)), None)
+    if ignored is not None:
+        return f"ignore entry {ignored!r} matches it"
+    return f"no entry of targets {list(qcfg.targets)} matches it"

@@ -1,7 +1,9 @@
 """INT4 (W4A16) checkpoints in the compressed-tensors `pack-quantized` format.
 
 * `QuantConfig` and `is_quantized` (workers/models/quant_config.py): what a checkpoint's
-  `quantization_config` says, and whether a linear module is INT4 under it.
+  `quantization_config` says, and whether it makes a linear module INT4;
+  `StoredLinears` and `linear_is_int4` (workers/models/quant_stored.py): whether the linear
+  loads INT4, the checkpoint's own tensors considered (lm_head only when stored packed).
 * `Int4Linear` holds `weight_packed` int32 [out, in/8], `weight_scale` [out, in/group]
   ([out, 1] channel-wise), `weight_zero_point` int32 [ceil(out/8), groups] when asymmetric and
   `weight_shape` [2]; its forward is `int4_linear`, the one function that picks the Triton
@@ -29,10 +31,11 @@ from specd.kernels.int4_layout import (
     unpack_int4,
 )
 from specd.workers.models.quant_config import COMPRESSED_TENSORS_VERSION, QuantConfig, is_quantized
+from specd.workers.models.quant_stored import OUTPUT_PROJECTION, StoredLinears, linear_is_int4
 
 __all__ = [
     "COMPRESSED_TENSORS_VERSION", "Int4Linear", "Int4LinearFactory", "QuantConfig",
-    "dequantize_int4", "int4_linear", "is_quantized", "linear_factory_for",
+    "StoredLinears", "dequantize_int4", "int4_linear", "is_quantized", "linear_factory_for",
     "make_linear_factory", "pack_int4", "quantize_rtn", "unpack_int4",
 ]
 
@@ -204,32 +207,43 @@ def check_weight_shape(name: str, weight_shape: torch.Tensor, out_features: int,
 
 def linear_factory_for(quantization_config: Mapping[str, Any] | None,
                        dense: Callable[..., nn.Module],
-                       name_prefix: str = "") -> Callable[..., nn.Module]:
+                       name_prefix: str = "",
+                       stored: StoredLinears | None = None) -> Callable[..., nn.Module]:
     """The linear factory for a checkpoint whose config.json holds `quantization_config`
     (None: `dense` itself); ValueError if the config is not one specd supports. name_prefix:
-    `ModelConfig.weight_prefix` (see `Int4LinearFactory`)."""
+    `ModelConfig.weight_prefix`; stored: what the checkpoint stores (see `Int4LinearFactory`)."""
     if quantization_config is None:
         return dense
-    return make_linear_factory(QuantConfig.from_dict(quantization_config), dense, name_prefix)
+    return make_linear_factory(QuantConfig.from_dict(quantization_config), dense, name_prefix,
+                               stored)
 
 
 @dataclass(frozen=True)
 class Int4LinearFactory:
     """A `LinearFactory` (workers/models/layers.py) for a quantized checkpoint: Int4Linear
-    where every fused name is quantized, `dense(...)` where none is, ValueError where the
-    shards disagree. `quant_config` is the scheme, read by MoE layers to build INT4 routed experts.
+    where every fused name loads INT4, `dense(...)` where none does, ValueError where the
+    shards disagree. `quant_config` is the scheme, read by MoE layers to build INT4 routed
+    experts.
 
     Names are matched against `targets` and `ignore` as the checkpoint spells them:
     `name_prefix` + the model's module name (Kimi-K2.5's language model sits under
-    `language_model.`), as compressed-tensors matches the checkpoint's own modules."""
+    `language_model.`), as compressed-tensors matches the checkpoint's own modules. Whether a
+    linear loads INT4 is `quant_stored.linear_is_int4` against `stored`, the checkpoint's
+    tensors (None: the config alone, lm_head dense): as the config says, lm_head only when
+    stored packed (checkpoint_check logs the one line saying so when the config alone would
+    make it INT4), a module stored packed that the config leaves dense refused naming the
+    rule."""
 
     quant_config: QuantConfig
     dense: Callable[..., nn.Module]
     name_prefix: str = ""
+    stored: StoredLinears | None = None
 
     def is_quantized(self, name: str) -> bool:
-        """Whether the model's module `name` is INT4 in the checkpoint."""
-        return is_quantized(self.name_prefix + name, self.quant_config)
+        """Whether the model's module `name` loads INT4 (ValueError naming the tensor and the
+        rule where the checkpoint stores it packed and the config leaves it dense)."""
+        return linear_is_int4(self.name_prefix + name, self.quant_config, self.stored,
+                              output_projection=name == OUTPUT_PROJECTION)
 
     def __call__(self, in_features: int, out_features: int, bias: bool,
                  names: tuple[str, ...]) -> nn.Module:
@@ -244,6 +258,7 @@ class Int4LinearFactory:
 
 
 def make_linear_factory(qcfg: QuantConfig | None, dense: Callable[..., nn.Module],
-                        name_prefix: str = "") -> Callable[..., nn.Module]:
+                        name_prefix: str = "",
+                        stored: StoredLinears | None = None) -> Callable[..., nn.Module]:
     """The linear factory for a checkpoint quantized under `qcfg` (None: `dense` itself)."""
-    return dense if qcfg is None else Int4LinearFactory(qcfg, dense, name_prefix)
+    return dense if qcfg is None else Int4LinearFactory(qcfg, dense, name_prefix, stored)
