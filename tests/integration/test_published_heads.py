@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specd.ipc.sampling import SamplingParams
-from specd.workers.config import FIXTURE_DIR, EngineConfig
+from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine.core import EngineCore
 from tests.integration.heldout import heldout_prompt_ids
 
@@ -168,3 +168,109 @@ def test_ids_read_by_the_wrong_rule_change_what_the_head_drafts(
                                   "safetensors"))
     assert tokens == original[0]
     assert figures[1] != original[1][1]
+
+
+# ---- heads as Kimi publishes them: Eagle 3.1 options, quantized and degenerate heads, MLA ----
+
+
+def _run_plain(model: Path | None = None) -> list[list[int]]:
+    """Greedy outputs of PROMPTS with speculation off."""
+    torch.set_num_threads(1)
+    options: dict[str, Any] = {} if model is None else {"model": str(model)}
+    core = EngineCore(EngineConfig(dtype="float32", speculative_algorithm=None,
+                                   max_num_batched_tokens=64, **options))
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        out[f"r{i}"] = []
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id] += delta.new_token_ids
+    return [out[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def test_a_norm_output_head_drafts_from_the_normed_state_and_stays_lossless(
+        original: tuple[list[list[int]], tuple[int, int, int, float]],
+        head_parts: tuple[Tensors, Config], tmp_path: Path) -> None:
+    """The fixture's head marked norm_output (Speculators' Eagle 3.1): it drafts from
+    norm(out), so what it drafts changes, and greedy output stays speculation off's."""
+    tensors, config = head_parts
+    tokens, figures = _run(_write(tmp_path / "head", tensors, {**config, "norm_output": True},
+                                  "safetensors"))
+    assert tokens == _run_plain() == original[0]
+    assert figures[0] > 0 and figures != original[1]
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t, c: (t, {**c, "quantization_config": {"quant_method": "fp8"}}),
+     r"quantization_config \(quant_method 'fp8'\) is not supported"),
+    (lambda t, c: ({**t, "embed_tokens.weight": torch.zeros(c["vocab_size"], c["hidden_size"])},
+                   c),
+     "tensor embed_tokens.weight is all zeros"),
+    (lambda t, c: ({**t, "fc.weight": torch.zeros_like(t["fc.weight"])}, c),
+     "tensor fc.weight is all zeros"),
+], ids=["fp8", "zero-embedding", "zero-fc"])
+def test_quantized_or_degenerate_heads_are_refused_at_start_up(
+        edit: Callable[[Tensors, Config], tuple[Tensors, Config]], message: str,
+        head_parts: tuple[Tensors, Config], tmp_path: Path) -> None:
+    head = _write(tmp_path / "head", *edit(*head_parts), "safetensors")
+    with pytest.raises(ValueError, match=message):
+        EngineCore(EngineConfig(draft_model=str(head), dtype="float32", spec_mode="on"))
+
+
+def _mla_head(root: Path) -> Path:
+    """An Eagle3DeepseekV2ForCausalLM head over the MoE fixture: the fixture's trained
+    Llama head's fc, norms, MLP, lm_head and vocabulary maps around a random MLA attention
+    (the target's MLA shapes and rope) whose output is damped, so that it drafts roughly as
+    the trained head does and the target accepts some of it."""
+    tensors = load_file(str(FIXTURE_MOE_DIR / "eagle3" / "model.safetensors"))
+    config = json.loads((FIXTURE_MOE_DIR / "eagle3" / "config.json").read_text())
+    target = json.loads((FIXTURE_MOE_DIR / "config.json").read_text())
+    mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "rope_parameters", "rms_norm_eps", "max_position_embeddings")
+    config = {k: v for k, v in config.items() if k not in ("head_dim", "num_key_value_heads")}
+    config.update({k: target[k] for k in mla_keys}, architectures=["Eagle3DeepseekV2ForCausalLM"],
+                  model_type="kimi_k2")
+    gen = torch.Generator().manual_seed(5)
+    h, heads, q_lora, kv_lora = 128, 4, target["q_lora_rank"], target["kv_lora_rank"]
+    nope, rope, v = target["qk_nope_head_dim"], target["qk_rope_head_dim"], target["v_head_dim"]
+
+    def w(*shape: int, gain: float = 1.0) -> torch.Tensor:
+        return gain * torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    attn = {"q_a_proj.weight": w(q_lora, 2 * h), "q_a_layernorm.weight": torch.ones(q_lora),
+            "q_b_proj.weight": w(heads * (nope + rope), q_lora),
+            "kv_a_proj_with_mqa.weight": w(kv_lora + rope, 2 * h),
+            "kv_a_layernorm.weight": torch.ones(kv_lora),
+            "kv_b_proj.weight": w(heads * (nope + v), kv_lora),
+            "o_proj.weight": w(h, heads * v, gain=0.1)}
+    tensors = {n: t for n, t in tensors.items() if ".self_attn." not in n}
+    tensors.update({f"midlayer.self_attn.{n}": t.bfloat16() for n, t in attn.items()})
+    return _write(root, tensors, config, "safetensors")
+
+
+@pytest.mark.parametrize("options", [
+    {"spec_num_steps": 3},
+    {"spec_num_steps": 3, "spec_topk": 4, "spec_num_draft_tokens": 8},
+], ids=["chain", "tree"])
+def test_an_mla_head_over_the_moe_fixture_is_lossless(options: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    """The MLA head drafts for the MoE fixture over its latent draft cache (paged catch-up,
+    then tree levels over the gathered prefix): greedy output is speculation off's, and the
+    target accepts some of its drafts."""
+    torch.set_num_threads(1)
+    head = _mla_head(tmp_path / "mla")
+    core = EngineCore(EngineConfig(model=str(FIXTURE_MOE_DIR), draft_model=str(head),
+                                   dtype="float32", spec_mode="on", max_num_batched_tokens=64,
+                                   **options))
+    assert core.spec is not None
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        out[f"r{i}"] = []
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id] += delta.new_token_ids
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _run_plain(FIXTURE_MOE_DIR)
+    stats = core.stats()
+    assert stats.num_drafted > 0 and stats.num_accepted > 0

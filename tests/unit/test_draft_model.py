@@ -219,6 +219,29 @@ def test_each_format_reads_aux_layer_ids_by_its_own_rule():
     assert DraftConfig.from_dict(published_config(eagle_config={})).aux_layer_ids is None
 
 
+def test_the_kimi_k25_head_config_parses_as_a_llama_head():
+    """TorchSpec's configs/draft_models/kimi_k25_eagle3.json (the config
+    lightseekorg/kimi-k2.5-eagle3 was trained from): one Llama layer over Kimi-K2.5's hidden
+    size, the whole vocabulary (no draft_vocab_size, no d2t needed), no rope scaling and no
+    aux ids (the reference default)."""
+    cfg = DraftConfig.from_dict({
+        "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 163584, "eos_token_id": 163585,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+        "intermediate_size": 12288, "max_position_embeddings": 262144,
+        "max_window_layers": 36, "model_type": "llama", "num_attention_heads": 64,
+        "num_hidden_layers": 1, "num_key_value_heads": 64, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 163840})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (7168, 64, 128)
+    assert cfg.draft_vocab_size == cfg.vocab_size == 163840 and cfg.target_hidden_size == 7168
+    assert (cfg.rope_type, cfg.rope_theta, cfg.aux_layer_ids) == ("default", 1000000, None)
+    assert resolve_aux_layer_ids(cfg, 61) == (2, 30, 58)
+    assert cfg.mla_layer is None and cfg.kv_elements_per_token == 2 * 64 * 128
+
+
 def test_speculators_config_maps_to_the_same_head():
     flat = DraftConfig.from_dict(published_config())
     spec = DraftConfig.from_dict(speculators_config(published_config(), True))
@@ -239,6 +262,75 @@ def test_norm_before_residual_matches_the_reference(tmp_path):
     torch.testing.assert_close(head.logits(out), expected, atol=1e-5, rtol=1e-5)
     plain = reference_logits(tensors, embed, ids, aux)
     assert (plain - expected).abs().max() > 1e-2  # the option changes what the head computes
+
+
+def test_norm_output_feeds_back_the_normed_state_with_the_same_logits(tmp_path):
+    """Speculators' norm_output (Eagle 3.1; vLLM reads it from any config): the state fed to
+    the next draft step is norm(out) and the logits are lm_head of it, i.e. the logits of
+    one step are unchanged and only what the next step reads differs."""
+    tensors = published_tensors(seed=3)
+    embed = target_embedding()
+    plain = load_draft_head(save(tmp_path / "plain", tensors), embed)
+    normed = load_draft_head(save(tmp_path / "normed", tensors,
+                                  speculators_config(published_config()) | {"norm_output": True}),
+                             embed)
+    assert normed.config.norm_output and not plain.config.norm_output
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (6,), generator=gen)
+    aux = torch.randn(6, 3 * H, generator=gen)
+    with torch.no_grad():
+        out_plain = plain(ids, torch.arange(6), plain.fuse(aux))
+        out_normed = normed(ids, torch.arange(6), normed.fuse(aux))
+        torch.testing.assert_close(out_normed, plain.norm(out_plain), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(normed.logits(out_normed),
+                                   reference_logits(tensors, embed, ids, aux), atol=1e-5,
+                                   rtol=1e-5)
+    assert (out_normed - out_plain).abs().max() > 1e-2
+    flat = DraftConfig.from_dict(published_config(norm_output=True))
+    assert flat.norm_output  # read at the top level of any format
+
+
+@pytest.mark.parametrize("config, message", [
+    (published_config(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
+     r"quantization_config \(quant_method 'fp8'\) is not supported"),
+    (published_config(compression_config={"quant_method": "compressed-tensors"}),
+     r"compression_config \(quant_method 'compressed-tensors'\)"),
+    ({**speculators_config(published_config()), "transformer_layer_config": {
+        **speculators_config(published_config())["transformer_layer_config"],
+        "quantization_config": {"quant_method": "modelopt"}}},
+     r"transformer_layer_config.quantization_config \(quant_method 'modelopt'\)"),
+    ({**speculators_config(published_config()), "fc_norm": True}, "fc_norm"),
+])
+def test_quantized_and_unsupported_norm_heads_are_refused_naming_the_field(
+        tmp_path, config, message):
+    path = save(tmp_path / "head", published_tensors(), config)
+    with pytest.raises(ValueError, match=message) as info:
+        load_draft_head(path, target_embedding())
+    assert "\n" not in str(info.value) and str(path / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("embed_tokens.weight", torch.zeros(VOCAB, H), "embed_tokens.weight is all zeros"),
+    ("fc.weight", torch.zeros(H, 3 * H), "fc.weight is all zeros"),
+    ("lm_head.weight", torch.zeros(DRAFT_VOCAB, H), "lm_head.weight is all zeros"),
+    ("midlayer.hidden_norm.weight", torch.full((H,), float("nan")),
+     "midlayer.hidden_norm.weight holds non-finite values"),
+    ("midlayer.self_attn.q_proj.weight",
+     torch.ones(HEADS * HEAD_DIM, 2 * H).index_fill_(1, torch.tensor([3]), float("inf")),
+     "q_proj.weight holds non-finite values"),
+])
+def test_a_degenerate_head_is_refused_naming_the_tensor(tmp_path, name, value, message):
+    """An all-zero embedding (of the head's own), fc or lm_head drafts nothing a target
+    accepts, a NaN or an infinity anywhere poisons every draft: refused at load."""
+    tensors = published_tensors() | {name: value}
+    with pytest.raises(ValueError, match=message):
+        load_draft_head(save(tmp_path / "head", tensors), target_embedding())
+
+
+def test_the_targets_embedding_is_not_the_heads_to_refuse(tmp_path):
+    """A shared embedding is the target's, not checked as the head's."""
+    head = load_draft_head(save(tmp_path / "head", published_tensors()), torch.zeros(VOCAB, H))
+    assert not head.embed_tokens.weight.any()
 
 
 def test_int32_d2t_loads_and_a_missing_t2d_is_derived(tmp_path):

@@ -40,8 +40,7 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
     # The head's K/V cache has the target's blocks: its bytes come from the same budget.
     runner = ModelRunner(config, model_config, capture_layers=aux_layers,
                          verify_shape=(verify_query_len(config), config.spec_topk > 1),
-                         extra_kv_elements_per_token=(2 * draft_config.num_key_value_heads
-                                                      * draft_config.head_dim))
+                         extra_kv_elements_per_token=draft_config.kv_elements_per_token)
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.draft_embedding_weight(), dtype=runner.dtype,
                            device=runner.device)

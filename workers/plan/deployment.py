@@ -179,9 +179,8 @@ def make_plan(model_dir: Path, draft_dir: Path | None, options: PlanOptions) -> 
     if draft_dir is not None:
         draft = read_draft_config(draft_dir)
         part, note = draft_head_part(draft, head_has_embedding(draft_dir), options)
-        # The head's K/V: one layer of its K/V heads (the engine's extra_kv_elements_per_token).
-        draft_kv = (2 * draft.num_key_value_heads * draft.head_dim
-                    * options.torch_dtype.itemsize)
+        # The head's K/V (or MLA latent) per token: the engine's extra_kv_elements_per_token.
+        draft_kv = draft.kv_elements_per_token * options.torch_dtype.itemsize
         parts, assumptions = (*parts, part), (*assumptions, note)
     return Plan(model_dir=model_dir, draft_dir=draft_dir, options=options, parts=parts,
                 kv_bytes_per_token=kv_bytes_per_token(model.config, options.torch_dtype),

@@ -1,12 +1,16 @@
 """The EAGLE-3 draft head's configuration: its config.json as published (`DraftConfig`) and
 which target hidden states it reads (`resolve_aux_layer_ids`). The head itself is in
-workers/spec/draft_model.py.
+workers/spec/draft_model.py (a Llama layer) and workers/spec/draft_mla.py (an MLA layer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from specd.workers.models.config import ModelConfig
+from specd.workers.models.deepseek_config import MLA_ARCHITECTURE
 
 # How each config.json format numbers `eagle_aux_hidden_state_layer_ids`: the offset that
 # turns its ids into specd's numbering (transformers' `output_hidden_states` index: 0 is the
@@ -15,19 +19,35 @@ from typing import Any
 #    SpecForge trains on `hidden_states[i + 1]` (its default ids (1, L//2 - 1, L - 4) are
 #    (2, L//2, L - 3) here); SGLang's `set_eagle3_layers_to_capture` captures before block
 #    i + 1. So -1 would name the embedding output.
+#  * Eagle3DeepseekV2ForCausalLM (an MLA layer; SGLang's name, which TorchSpec trains and
+#    NVIDIA ModelOpt exports for Kimi-K2.x): SGLang's rule, as LlamaForCausalLMEagle3 (vLLM
+#    serves the same name capturing block inputs; such a head read by vLLM's rule is one
+#    block off).
 #  * Eagle3LlamaForCausalLM (vLLM's name), LlamaForCausalLM with a draft_vocab_size (the
 #    original EAGLE-3 releases, which vLLM serves; EAGLE's own trainer writes no ids) and
 #    the Speculators format (its data generation uses vLLM's capture): id i is the INPUT of
 #    block i; vLLM captures `hidden_states + residual` before block i, as given.
 # Without ids every engine uses the EAGLE reference default, (2, L//2, L - 3) here.
+MLA_HEAD = "Eagle3DeepseekV2ForCausalLM"
 AUX_ID_OFFSET = {
     "LlamaForCausalLMEagle3": 1,
+    MLA_HEAD: 1,
     "Eagle3LlamaForCausalLM": 0,
     "LlamaForCausalLM": 0,
     "Eagle3Speculator": 0,
 }
 ARCHITECTURES = tuple(AUX_ID_OFFSET)
 SPECULATORS = "Eagle3Speculator"
+# An MLA head's config.json is a DeepSeek-V3 config; these keys describe its attention (and
+# rope) and are read as the target's are (ModelConfig). The MoE keys a ModelOpt export copies
+# from the target describe no part of the head (its layer has a dense MLP) and are not read.
+LLAMA_ROPE_FIELDS = ("rope_type", "rope_factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position")
+MLA_LAYER_KEYS = ("model_type", "hidden_size", "num_attention_heads", "intermediate_size",
+                  "vocab_size", "max_position_embeddings", "rms_norm_eps", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+                  "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,14 @@ class DraftConfig:
     original_max_position describe the Llama-3 frequency scaling).
     norm_before_residual: the residual of the layer's attention is `hidden_norm(hidden)`
     rather than `hidden` (a Speculators option; vLLM reads it from any config).
+    norm_output: the layer's output is normed (`norm`) before it is fed back to the next
+    draft step, and the logits are `lm_head` of that normed state (Speculators' Eagle 3.1
+    option, which vLLM reads from any config).
+    mla_layer: for an `Eagle3DeepseekV2ForCausalLM` head, its layer's multi-head latent
+    attention as a one-layer DeepSeek-V3 `ModelConfig` (MLA shapes, rope, rms_norm_eps);
+    the head's num_key_value_heads then equals num_attention_heads, head_dim is the q/k
+    head dim (nope + rope), and the Llama rope fields above are unused. None for a Llama
+    layer.
     """
 
     hidden_size: int
@@ -62,6 +90,8 @@ class DraftConfig:
     max_position_embeddings: int = 2048
     aux_layer_ids: tuple[int, ...] | None = None
     norm_before_residual: bool = False
+    norm_output: bool = False
+    mla_layer: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -82,6 +112,22 @@ class DraftConfig:
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError(f"draft config: eagle_aux_hidden_state_layer_ids must name 3 layers, "
                              f"got {list(self.aux_layer_ids)}")
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Draft-cache elements one token takes: K and V of every KV head, or an MLA head's
+        latent row (kv_lora_rank + qk_rope_head_dim)."""
+        if self.mla_layer is not None:
+            return self.mla_layer.kv_elements_per_token
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    def kv_layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The head's paged cache: `[2, num_blocks, block_size, num_key_value_heads,
+        head_dim]`, or an MLA head's `[num_blocks, block_size, kv_lora_rank +
+        qk_rope_head_dim]` (the target's layouts, `ModelConfig.kv_layer_shape`)."""
+        if self.mla_layer is not None:
+            return self.mla_layer.kv_layer_shape(num_blocks, block_size)
+        return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
@@ -110,10 +156,19 @@ class DraftConfig:
             aux = nested.get("eagle_aux_hidden_state_layer_ids",
                              cfg.get("eagle_aux_hidden_state_layer_ids"))
         _check_layer(layer, eagle)
+        _check_dense_weights(cfg, layer)
         offset = AUX_ID_OFFSET[fmt]
-        return cls(**_shape_fields(layer, eagle),
+        fields = _shape_fields(layer, eagle)
+        mla_layer = _mla_layer(layer) if fmt == MLA_HEAD else None
+        if mla_layer is not None:
+            for key in LLAMA_ROPE_FIELDS:  # the MLA rope is mla_layer's
+                del fields[key]
+            fields.update(num_key_value_heads=mla_layer.num_heads,
+                          head_dim=mla_layer.head_dim, rms_norm_eps=mla_layer.rms_norm_eps)
+        return cls(**fields,
                    aux_layer_ids=tuple(int(i) + offset for i in aux) if aux else None,
-                   norm_before_residual=bool(eagle.get("norm_before_residual", False)))
+                   norm_before_residual=bool(eagle.get("norm_before_residual", False)),
+                   norm_output=bool(eagle.get("norm_output", False)), mla_layer=mla_layer)
 
 
 def head_format(cfg: dict[str, Any]) -> str:
@@ -129,7 +184,7 @@ def head_format(cfg: dict[str, Any]) -> str:
         if kind != "eagle3":
             raise ValueError(f"draft config: speculators_model_type must be eagle3, got {kind!r}")
         return SPECULATORS
-    for name in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"):
+    for name in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", MLA_HEAD):
         if name in arch:
             return name
     if "LlamaForCausalLM" in arch:
@@ -160,9 +215,42 @@ def _check_layer(layer: dict[str, Any], eagle: dict[str, Any]) -> None:
             raise ValueError(f"draft config: {key} must be false (the head has no biases)")
     if eagle.get("norm_before_fc", False):
         raise ValueError("draft config: norm_before_fc (a norm before fc) is not supported")
+    if eagle.get("fc_norm", False):
+        raise ValueError("draft config: fc_norm (a norm of each aux hidden state before fc) is "
+                         "not supported")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         if key not in layer:
             raise ValueError(f"draft config: missing {key!r}")
+
+
+def _check_dense_weights(cfg: dict[str, Any], layer: dict[str, Any]) -> None:
+    """Refuse a head that says its weights are quantized (FP8, NVFP4, INT4 heads exist):
+    specd serves draft heads in the serving dtype only."""
+    for where, raw in (("", cfg), ("transformer_layer_config.", layer)):
+        for key in ("quantization_config", "compression_config"):
+            quant = raw.get(key)
+            if quant:
+                method = quant.get("quant_method") if isinstance(quant, dict) else quant
+                raise ValueError(f"draft config: {where}{key} (quant_method {method!r}) is not "
+                                 "supported: draft heads are served with dense weights")
+
+
+def _mla_layer(layer: dict[str, Any]) -> ModelConfig:
+    """An Eagle3DeepseekV2ForCausalLM head's attention, read as a one-layer DeepSeek-V3 (its
+    MLA fields and rope parsed and checked as the target's are). Refused: rope_interleave
+    false (SGLang, vLLM and TorchSpec rotate an MLA head's rope in interleaved pairs whatever
+    the config says)."""
+    if layer.get("rope_interleave", True) is not True:
+        raise ValueError("draft config: rope_interleave must be true for an MLA head (its "
+                         "readers rotate interleaved pairs)")
+    raw = {k: layer[k] for k in MLA_LAYER_KEYS if k in layer}
+    raw.update(architectures=[MLA_ARCHITECTURE], num_hidden_layers=1, attention_bias=False,
+               rope_interleave=True)
+    where = Path("config.json")
+    try:
+        return ModelConfig.from_dict(raw, Path(""))
+    except ValueError as e:
+        raise ValueError(f"draft config: {str(e).removeprefix(f'{where}: ')}") from e
 
 
 def _shape_fields(layer: dict[str, Any], eagle: dict[str, Any]) -> dict[str, Any]:

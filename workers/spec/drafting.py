@@ -15,10 +15,11 @@ cache has the target's block geometry).
 2. **Draft loop** (`draft_loop`, run by the backend's draft loop runner: captured, compiled
    or eager): N levels of top-k drafting from each sequence's next root (computed on the
    device: root + accepted + 1). The catch-up's last accepted row gives the root's
-   children; each further level is a dense draft forward over the paged prefix K/V
-   (gathered once) plus the tree nodes so far with their ancestor mask (tree.py's scratch
-   rows), so drafted nodes never touch the paged cache. The trees go to `DraftFutures`
-   under the step's sample ids; the host reads them (or not) later (`Drafted`).
+   children; each further level is a dense draft forward over the paged prefix (gathered
+   once, `Eagle3Head.gather_prefix`) plus the tree nodes so far with their ancestor mask
+   (tree.py's scratch rows; `Eagle3Head.draft_level`), so drafted nodes never touch the
+   paged cache. The trees go to `DraftFutures` under the step's sample ids; the host reads
+   them (or not) later (`Drafted`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specd.workers.engine.batch import ScheduledSequence
 from specd.workers.runner.attention import build_attention_metadata
@@ -36,7 +36,7 @@ from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.runner.step_inputs import token_slice
 from specd.workers.spec.accept import Acceptance
 from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
-from specd.workers.spec.draft_model import DraftHead
+from specd.workers.spec.draft_head import Eagle3Head
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted
 from specd.workers.spec.tree import build_tree, expand_tree, start_tree
@@ -82,10 +82,11 @@ class CaughtUp:
 
 class Drafter:
     """Catch-up and drafting for `runner`'s target with `head` (see module docstring): the
-    draft K/V lives in `draft_kv` [2, blocks, block_size, kv_heads, head_dim]; trees go to
-    `futures`. The draft loop runs as the runner's backend runs it (`loop_runner`)."""
+    draft K/V lives in `draft_kv` (`DraftConfig.kv_layer_shape`: per-head K/V, or MLA
+    latents); trees go to `futures`. The draft loop runs as the runner's backend runs it
+    (`loop_runner`)."""
 
-    def __init__(self, runner: ModelRunner, head: DraftHead, draft_kv: torch.Tensor,
+    def __init__(self, runner: ModelRunner, head: Eagle3Head, draft_kv: torch.Tensor,
                  futures: DraftFutures, topk: int, num_steps: int, num_draft_tokens: int
                  ) -> None:
         self.runner = runner
@@ -218,31 +219,20 @@ class Drafter:
         head, k = self.head, self.topk
         last_out, roots = inputs.last_out, inputs.roots
         batch = last_out.shape[0]
-        flat = self.draft_kv.view(2, -1, *self.draft_kv.shape[-2:])
-        prefix_k = flat[0][inputs.prefix_slots]  # [B, L, kvh, d]
-        prefix_v = flat[1][inputs.prefix_slots]
+        prefix = head.gather_prefix(self.draft_kv, inputs.prefix_slots)  # L rows per sequence
         logp, ids = self._top(last_out)  # [B, K]
         nan_rows = logp.isnan().any(dim=-1)
         cands, frontier = start_tree(logp, ids, check=False)
         hidden = last_out[:, None].expand(batch, k, -1)  # [B, K, H] inputs of depth-1 nodes
-        scratch_k: list[torch.Tensor] = []
-        scratch_v: list[torch.Tensor] = []
+        scratch: list[tuple[torch.Tensor, ...]] = []  # each level's keys, never paged
         for step in range(1, self.num_steps):
             embeds = head.embed_tokens(frontier.token_ids)  # [B, K, H]
             positions = (roots + step - 1)[:, None].expand(batch, k)
-            q, key, value = head.qkv(embeds, hidden, positions)  # [B, K, heads|kvh, d]
-            scratch_k.append(key)
-            scratch_v.append(value)
-            keys = torch.cat([prefix_k, *scratch_k], dim=1)  # [B, L + step*K, kvh, d]
-            values = torch.cat([prefix_v, *scratch_v], dim=1)
             bits = (frontier.scratch_masks[:, :, None]
                     >> torch.arange(step * k, device=self.device)) & 1  # [B, K, step*K]
             mask = torch.cat([inputs.prefix_ok[:, None].expand(batch, k, -1), bits.bool()],
-                             dim=2)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask[:, None], scale=head.scale, enable_gqa=True)  # [B, heads, K, d]
-            out = head.finish(attn.transpose(1, 2), hidden)  # [B, K, H]
+                             dim=2)  # [B, K, L + step*K]
+            out = head.draft_level(embeds, hidden, positions, prefix, scratch, mask)  # [B, K, H]
             child_logp, child_ids = self._top(out)  # [B, K, K]
             nan_rows = nan_rows | child_logp.isnan().flatten(1).any(dim=-1)
             cands, frontier = expand_tree(cands, frontier, child_logp, child_ids, check=False)

@@ -16,7 +16,7 @@ Safetensors files, the indexes and config.json are read as the target's are
 (workers/models/checkpoint.py; `read_json_object` of workers/models/config.py). Pickled files
 are read with `torch.load(weights_only=True)`: tensors and plain containers only, never
 arbitrary objects, so a head file cannot run code. Names are returned as stored;
-`DraftHead.load_weights` maps the published spellings onto its own.
+`head_weights.load_head_weights` maps the published spellings onto its own.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from specd.workers.engine.sequence import SequenceStatus, any_counts_its_tokens
 from specd.workers.runner.host_copy import upload
 from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
-from specd.workers.spec.draft_model import DraftHead
+from specd.workers.spec.draft_head import Eagle3Head
 from specd.workers.spec.drafting import Drafter, PlainRows, VerifiedRows
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted, HostTree, PendingSpec, SpecFigures
@@ -76,7 +76,7 @@ class SpeculativeWorker:
 
     speculative = True
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, head: DraftHead,
+    def __init__(self, config: EngineConfig, runner: ModelRunner, head: Eagle3Head,
                  controller: SpecController) -> None:
         cfg = head.config
         target = runner.model_config
@@ -100,7 +100,7 @@ class SpeculativeWorker:
         self.num_steps = config.spec_num_steps
         self.num_draft_tokens = verify_query_len(config)
         self.draft_kv = torch.zeros(
-            2, runner.num_kv_blocks, config.block_size, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.kv_layer_shape(runner.num_kv_blocks, config.block_size),
             dtype=next(head.parameters()).dtype, device=self.device)
         self.states: dict[str, _RequestState] = {}
         # The tree shapes of drafts handed to the scheduler as token ids (whole steps).
