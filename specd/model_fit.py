@@ -36,5 +36,6 @@ def check_tokenizer_fits(model_path: Path, model_vocab_size: int) -> bool:
     and `check_vocabulary` raise."""
     if not any((model_path / name).is_file() for name in TOKENIZER_FILES):
         return False
-    check_vocabulary(Tokenizer.from_dir(model_path).vocab_size, model_vocab_size, model_path)
+    check_vocabulary(Tokenizer.from_dir(model_path).num_named_ids, model_vocab_size,
+                     model_path)
     return True

@@ -20,10 +20,13 @@ from click.testing import CliRunner
 
 import specd
 from specd.daemon.ctl.cli import cli
+from specd.model_fit import check_vocabulary
+from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.linear_factory import linear_factory
 from specd.workers.models.loader import load_model
+from tests.unit.test_tiktoken_tokenizer import write_model
 
 TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -76,6 +79,23 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_as_the_engine_refuses_
     assert "has 4096 tokens but the model's embedding has 4000 rows (config.json " \
            "vocab_size)" in message
     assert message in _plan(model_dir)
+
+
+def test_unnamed_reserved_ids_past_the_embedding_plan_as_the_engine_starts_them(
+        tmp_path: Path) -> None:
+    """Kimi-K2's class makes 258 special ids above the ranks, the last two unnamed (only their
+    own `<|reserved_token_N|>` text gives them): its 163,840 rows fit its 163,842 tokens.
+    The engine and the daemon check the ids a tokenizer needs rows for (`num_named_ids`),
+    and so does the plan."""
+    model_dir = write_model(tmp_path / "m")  # 272 ranks + 258 special ids, the last named 282
+    tokenizer = Tokenizer.from_dir(model_dir)
+    rows = tokenizer.vocab_size - 2
+    (model_dir / "config.json").write_text(json.dumps({**_config(FIXTURE_DIR),
+                                                       "vocab_size": rows}))
+    check_vocabulary(tokenizer.num_named_ids, rows, model_dir)  # the engine's start-up check
+    result = CliRunner().invoke(cli, ["plan", str(model_dir), "--gpu-memory-gib", "80"])
+    assert result.exit_code == 0, result.output
+    assert "verdict      fits" in result.output
 
 
 @pytest.mark.parametrize(("source", "change", "named"), [
