@@ -253,7 +253,7 @@ def test_helpers() -> None:
     assert function_name("functions.ns.fn:0") == "ns.fn"
     assert function_name("plain") == "plain"
     scanner = JsonValueEnd()
-    assert scanner.scan('{"a": "}"') is None and scanner.scan(', "b": [1]} tail') == 10
+    assert scanner.scan('{"a": "}"') is None and scanner.scan(', "b": [1]} tail') == 11
     assert JsonValueEnd().scan('"x\\"y" rest') == 6
     assert JsonValueEnd().scan("123, 4") == 3
     assert JsonValueEnd().scan('{"a": 1 <|end|>') == 8  # no JSON: ends at the stray "<"
