@@ -11,6 +11,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.daemon.parsers.registry import (
+    AUTO,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    check_parser_name,
+)
 from specd.ipc.paths import default_socket_path
 from specd.workers.config import EngineConfig
 
@@ -45,6 +51,9 @@ class DaemonConfig:
         Its request bodies are bounded by max_frame_bytes, like the socket's frames.
     api_key_file: with http, Bearer keys (one a line) that every endpoint but /health
         requires; None: the HTTP port is open to anyone who can reach it.
+    tool_call_parser / reasoning_parser: how the HTTP API reads tool calls and thinking in
+        a chat answer (daemon/parsers/registry.py): a parser's name, `auto` (the one the
+        model's chat template calls for, if any) or `none`.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -66,6 +75,8 @@ class DaemonConfig:
     max_stop_chars: int = 256
     http: str | None = None
     api_key_file: Path | None = None
+    tool_call_parser: str = AUTO
+    reasoning_parser: str = AUTO
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:
@@ -91,6 +102,8 @@ class DaemonConfig:
             raise ValueError(f"operator_uid must be a uid (>= 0), got {self.operator_uid}")
         if self.http is not None:
             _parse_http_address(self.http)  # raises ValueError naming the option
+        check_parser_name("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        check_parser_name("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.api_key_file is not None and self.http is None:
             raise ValueError("api_key_file needs http (the keys guard the HTTP API)")
 

@@ -264,6 +264,8 @@ class Front:
     def _on_scheduler_message(self, message: m.FromScheduler) -> None:
         if isinstance(message, m.StepOutput):
             self.health.progressed()
+            for prompt in message.prompt_logprobs:
+                self.requests.on_prompt_logprobs(prompt)
             for delta in message.deltas:
                 self.requests.on_delta(delta)
         elif isinstance(message, m.QueryReply):

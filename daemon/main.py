@@ -119,6 +119,12 @@ DAEMON_HELP = {
             "who can reach the port may use it.",
     "api_key_file": "with --http: Bearer keys, one a line, that every endpoint but /health "
                     "requires (compared in constant time).",
+    "tool_call_parser": "how the HTTP API reads a chat answer's tool calls: kimi_k2, hermes, "
+                        "llama3_json, auto (the one the model's chat template calls for) or "
+                        "none (calls stay in the text).",
+    "reasoning_parser": "how the HTTP API reads a chat answer's thinking into "
+                        "reasoning_content: kimi_k2, deepseek_r1, auto (when the chat "
+                        "template writes </think>) or none.",
 }
 FLAG_NAMES = {"socket_path": "socket"}
 

@@ -107,6 +107,7 @@ class RequestFlow:
             f"r{self._next_request_number}", message.id, connection,
             IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
             message.stream, 0, message.sampling.logprobs > 0)
+        request.reports_prompt = message.report_prompt
         self.table.add(request)
         if message.deadline_s is not None:
             request.deadline = asyncio.get_running_loop().call_later(
@@ -184,6 +185,10 @@ class RequestFlow:
             self.note_progress()  # idle time is not a stall
         request.num_prompt_tokens = len(prompt_ids)
         self.table.mark_submitted(request)
+        if sampling.prompt_logprobs is not None:
+            request.prompt_token_ids = prompt_ids  # sent with their log-probabilities
+        elif request.reports_prompt:
+            request.peer.send(m.Prompt(request.client_id, len(prompt_ids)))
 
     def _on_deadline(self, request: OpenRequest, deadline_s: float) -> None:
         if self.table.get(request.request_id) is request:
@@ -272,6 +277,14 @@ class RequestFlow:
             self.finish(request, "stop", delta)
         elif delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, delta)
+
+    def on_prompt_logprobs(self, prompt: m.PromptLogprobs) -> None:
+        """A request's prompt log-probabilities, before its first output: its `Prompt`
+        frame."""
+        request = self.table.get(prompt.request_id)
+        if request is not None:
+            request.peer.send(m.Prompt(request.client_id, request.num_prompt_tokens,
+                                       request.prompt_token_ids, prompt.logprobs))
 
     def finish(self, request: OpenRequest, reason: str, delta: m.TokenDelta) -> None:
         """End the request with its final frame; `delta` holds the engine's last figures

@@ -43,6 +43,11 @@ class OpenRequest:
         # Output not yet sent to the client (all of it when not streaming).
         self.unsent_token_ids: list[int] = []
         self.unsent_logprobs: list[m.Logprob] = []
+        # A `Prompt` frame goes before its first delta (Generate.report_prompt; with the
+        # log-probabilities when its sampling asks for prompt_logprobs: `prompt_token_ids`
+        # are kept for it).
+        self.reports_prompt = False
+        self.prompt_token_ids: list[int] = []
         self.num_output_tokens = 0
         self.num_sampling_steps = 0  # steps that gave this request tokens (acceptance length)
         self.is_submitted = False  # its AddRequest was sent (see RequestTable.mark_submitted)

@@ -99,7 +99,10 @@ class Generate(_Request, frozen=True, tag="generate"):
     either way a `Final` (or an `Error`) ends the request. `deadline_s`: seconds from
     arrival after which the request ends with `deadline_exceeded`. With `messages` only:
     `tools` (JSON schemas, the template's `tools`) and `chat_template_kwargs` (template
-    variables, e.g. `add_generation_prompt` (default true) or `enable_thinking`)."""
+    variables, e.g. `add_generation_prompt` (default true) or `enable_thinking`).
+    `report_prompt`: a `Prompt` frame with the prompt's length comes before the first
+    delta (it always does, with the log-probabilities, when sampling asks for
+    `prompt_logprobs`)."""
 
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
@@ -110,6 +113,7 @@ class Generate(_Request, frozen=True, tag="generate"):
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: (Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)]
                            | None) = None
+    report_prompt: bool = False
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
@@ -212,6 +216,18 @@ class Delta(_Reply, frozen=True, tag="delta"):
     logprobs: list[Logprob] = []  # one per token id when the request asked for logprobs
 
 
+class Prompt(_Reply, frozen=True, tag="prompt"):
+    """The prompt of a generate that asked (`report_prompt`, or `prompt_logprobs` in its
+    sampling), sent once, before its first delta: its length and, with prompt_logprobs,
+    its token ids and the log-probability of each token after the first (`logprobs[i]` is
+    token i + 1's)."""
+
+    id: int
+    num_tokens: int
+    token_ids: list[int] = []
+    logprobs: list[Logprob] = []
+
+
 class Final(_Reply, frozen=True, tag="final"):
     """The end of a generate request. `text`/`token_ids` hold the whole output when the
     request did not stream and the rest not yet streamed otherwise.
@@ -274,7 +290,7 @@ class Tokens(_Reply, frozen=True, tag="tokens"):
     token_ids: list[int] = []
 
 
-ServerMessage = Delta | Final | Error | StatusReply | StatsReply | Ack | Tokens
+ServerMessage = Delta | Prompt | Final | Error | StatusReply | StatsReply | Ack | Tokens
 
 
 # ---- front -> scheduler ------------------------------------------------------------------
@@ -366,12 +382,21 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     error: str | None = None
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A request's prompt log-probabilities (sampling.prompt_logprobs), tokens 1, 2, ...,
+    sent once, in the step of its first output, before that step's deltas."""
+
+    request_id: str
+    logprobs: list[Logprob]
+
+
 class StepOutput(_Link, frozen=True, tag="step"):
     """One engine step; sent after every step that ran, even with no deltas (a progress
     heartbeat for the front's watchdog)."""
 
     step: int
     deltas: list[TokenDelta] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class RequestRejected(_Link, frozen=True, tag="rejected"):

@@ -61,6 +61,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logit_bias: token id -> bias added to its logit, at most 1024 entries, each bias finite
         in [-100, 100]; token ids in [0, 2**31 - 1] here and below the model's vocabulary
         size where the engine takes the request (`bad_request` otherwise).
+    min_tokens: in [0, max_tokens]: until this many tokens are generated, the tokens that
+        would end the request (the model's end-of-sequence tokens unless ignore_eos, and
+        stop_token_ids) cannot be sampled (their logits are -inf). Stop strings still end it.
+    prompt_logprobs: None, or in [0, 20]: the log-probability of every prompt token after
+        the first under the model (given the tokens before it), with the n most likely
+        alternatives, as `logprobs` reports output tokens (raw distribution). The prompt is
+        then computed whole, not taken from the prefix cache.
 
     The logits are changed in vLLM's order: logit_bias, then repetition_penalty, then
     frequency_penalty and presence_penalty, then temperature, top-k, top-p and min-p. Greedy
@@ -82,6 +89,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # NaN too
@@ -103,6 +112,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
                 f"stop_token_ids must be in [0, 2**63 - 1], got {list(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got "
+                             f"{self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
         self._check_penalties()
 
     def _check_penalties(self) -> None:
@@ -136,6 +151,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         penalty): such a request samples only once the host knows every earlier token."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @property
+    def masks_stop_tokens(self) -> bool:
+        """Whether min_tokens can forbid a token: it is set, and some token would end the
+        request (the model's EOS unless ignore_eos; stop_token_ids)."""
+        return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
 
     @property
     def changes_logits(self) -> bool:

@@ -1,18 +1,26 @@
 """OpenAI request bodies -> the socket's `Generate`, validated by the socket's own schema.
 
 A body is decoded into `CompletionRequest` or `ChatCompletionRequest` (the fields OpenAI's
-API defines that specd serves, `frequency_penalty`, `presence_penalty` and `logit_bias`
-included, plus the extra body fields vLLM and SGLang also take: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, specd's `speculative` and, for chat,
+API defines that specd serves, `frequency_penalty`, `presence_penalty`, `logit_bias`, `n` and
+`echo` included, plus the extra body fields vLLM and SGLang also take: `top_k`, `min_p`,
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output` (SGLang's `no_stop_trim`), specd's `speculative` and, for chat,
 `chat_template_kwargs`). `logit_bias` keys are token ids written as decimal strings (JSON
-object keys), as in OpenAI's API.
+object keys), as in OpenAI's API. The fields routers and clients add with their default
+values (`skip_special_tokens: true`, `spaces_between_special_tokens: true`,
+`continue_final_message: false`, ...; `ROUTER_DEFAULTS`) are accepted at those values,
+which are what specd does; another value is refused by name.
 Like OpenAI's API, an unknown field is refused by name, and so is a field specd does not
-implement when it asks for something (`n` other than 1, `echo`, `suffix`, `best_of`,
-a `response_format` other than text, a `tool_choice` other than auto). The request is then
+implement when it asks for something (`suffix`, `best_of` above 1, a `response_format`
+other than text, a `tool_choice` other than none or auto). The request is then
 built as the socket's map (`{"prompt": ..., "sampling": {...}}`) and converted with
 `msgspec.convert` into `messages.Generate`, which checks it exactly as a socket frame is
 checked (bounds, token ids, `SamplingParams.__post_init__`); its errors are translated back
-to the HTTP field names.
+to the HTTP field names. OpenAI's own bounds come first: `temperature` in [0, 2], `messages`
+not empty, roles OpenAI's, `max_tokens` below the model's maximum length.
+
+`n` choices (and, for completions, echo's prompt log-probabilities) are the request
+flow's: `choices` makes one `Generate` per choice, each a request of its own in the flow.
 
 Defaults are OpenAI's where they differ from the socket's: temperature 1, completions
 `max_tokens` 16, chat without a limit (the engine stops at the model's maximum length).
@@ -20,6 +28,7 @@ Defaults are OpenAI's where they differ from the socket's: temperature 1, comple
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,14 +37,22 @@ import msgspec
 
 from specd.daemon.http.errors import HttpError
 from specd.ipc import messages as m
+from specd.ipc.sampling import MAX_INT64
 
 OPENAI_TEMPERATURE = 1.0
 COMPLETIONS_MAX_TOKENS = 16
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
+MAX_CHOICES = 128  # OpenAI's bound on n
+MAX_TEMPERATURE = 2.0  # OpenAI's bound on temperature
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+TOOL_CHOICES = ("none", "auto")
+
+
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # usage (so far) in every chunk
 
 
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -61,6 +78,22 @@ class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     ignore_eos: bool | None = None
     speculative: bool | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
+    # Sent by routers and clients at their defaults, which are what specd does
+    # (ROUTER_DEFAULTS); another value is refused.
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
+    stream_reasoning: bool | None = None
+    separate_reasoning: bool | None = None
+    lora_path: str | None = None
+    session_params: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    stop_regex: str | list[str] | None = None
 
 
 class CompletionRequest(_Request, frozen=True):
@@ -82,10 +115,12 @@ class ChatCompletionRequest(_Request, frozen=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    tool_choice: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # no effect: tool calls are the model's text
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -94,12 +129,21 @@ class Options:
 
     num_top_logprobs: alternatives shown per token (None: no logprobs at all; the flow is
         asked for at least one, since the chosen token's own log-probability comes with it).
+    num_choices: `n`. continuous_usage: usage so far in every chunk (with include_usage).
+    echo: completions' prompt before the output (its log-probabilities too, with
+        logprobs). include_stop_str: the stop string that ended a choice stays in its text.
+    parse_tools: a tool-call parser reads the answer (tools given, tool_choice not none).
     """
 
     is_chat: bool
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None
+    num_choices: int = 1
+    continuous_usage: bool = False
+    echo: bool = False
+    include_stop_str: bool = False
+    parse_tools: bool = False
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
@@ -115,11 +159,11 @@ def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
         raise HttpError(400, f"the body is not valid JSON: {exc}", "bad_request") from exc
 
 
-def completion_to_generate(req: CompletionRequest) -> tuple[m.Generate, Options]:
-    """The socket request of a completions body. Raises HttpError 400."""
-    _refuse_unsupported(req)
-    if req.echo:
-        raise HttpError(400, "echo is not supported", "bad_request", "echo")
+def completion_to_generate(req: CompletionRequest, max_model_len: int = MAX_INT64
+                           ) -> tuple[m.Generate, Options]:
+    """The socket request of a completions body (`max_model_len`: the bound on
+    `max_tokens`). Raises HttpError 400."""
+    _refuse_unsupported(req, max_model_len)
     if req.suffix is not None:
         raise HttpError(400, "suffix is not supported", "bad_request", "suffix")
     if req.best_of not in (None, 1):
@@ -128,18 +172,23 @@ def completion_to_generate(req: CompletionRequest) -> tuple[m.Generate, Options]
     fields = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sampling = _sampling(req, max_tokens, req.logprobs)
-    options = Options(False, bool(req.stream), _include_usage(req), req.logprobs)
+    if req.echo and req.logprobs is not None:
+        sampling["prompt_logprobs"] = req.logprobs
+    options = _options(req, False, req.logprobs, echo=bool(req.echo))
     return _convert(fields, sampling, req, {"logprobs": "logprobs"}), options
 
 
 def chat_to_generate(req: ChatCompletionRequest, max_model_len: int
                      ) -> tuple[m.Generate, Options]:
-    """The socket request of a chat body (`max_model_len`: the limit when none is given).
-    Raises HttpError 400."""
-    _refuse_unsupported(req)
-    if req.tool_choice not in (None, "auto"):
-        raise HttpError(400, "tool_choice must be auto: specd renders the tools into the "
-                        "prompt and returns the model's text", "bad_request", "tool_choice")
+    """The socket request of a chat body (`max_model_len`: the limit when none is given,
+    and the bound on one that is). Raises HttpError 400."""
+    _refuse_unsupported(req, max_model_len)
+    _check_messages(req.messages)
+    if req.tool_choice not in (None, *TOOL_CHOICES):
+        raise HttpError(400, "tool_choice must be none or auto", "bad_request", "tool_choice")
+    if req.continue_final_message:
+        raise HttpError(400, "continue_final_message is not supported", "bad_request",
+                        "continue_final_message")
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise HttpError(400, "response_format must be {\"type\": \"text\"}", "bad_request",
                         "response_format")
@@ -150,24 +199,98 @@ def chat_to_generate(req: ChatCompletionRequest, max_model_len: int
     max_tokens = next((n for n in (req.max_completion_tokens, req.max_tokens)
                        if n is not None), max_model_len)
     fields: dict[str, Any] = {"messages": req.messages}
-    if req.tools is not None:
+    # tool_choice none: the tools are left out of the prompt and the answer is not parsed
+    # for calls (vLLM's rule), so the model answers in text.
+    uses_tools = bool(req.tools) and req.tool_choice != "none"
+    if req.tools is not None and req.tool_choice != "none":
         fields["tools"] = req.tools
-    if req.chat_template_kwargs is not None:
-        fields["chat_template_kwargs"] = req.chat_template_kwargs
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.add_generation_prompt is not None:
+        kwargs["add_generation_prompt"] = req.add_generation_prompt
+    if req.chat_template_kwargs is not None or kwargs:
+        fields["chat_template_kwargs"] = kwargs
     names = {"logprobs": "top_logprobs",
              "max_tokens": "max_tokens" if req.max_completion_tokens is None
              else "max_completion_tokens"}
-    options = Options(True, bool(req.stream), _include_usage(req), num_top)
+    options = _options(req, True, num_top, parse_tools=uses_tools)
     return _convert(fields, _sampling(req, max_tokens, num_top), req, names), options
 
 
-def _refuse_unsupported(req: _Request) -> None:
-    if req.n not in (None, 1):
-        raise HttpError(400, f"n must be 1: specd returns one choice per request (got "
-                        f"{req.n}); send several requests instead", "bad_request", "n")
+def choices(generate: m.Generate, num_choices: int) -> list[m.Generate]:
+    """One generate per choice, its id the choice's index, each streamed to the HTTP
+    handler (which answers streamed or whole), its prompt reported (usage so far). A
+    seeded request's choice i is seeded with seed + i (modulo 2**64, a negative seed
+    counted as its two's complement, as SamplingParams seeds): each choice has its own
+    stream of random numbers, and the same request gives the same choices."""
+    out = []
+    for index in range(num_choices):
+        sampling = generate.sampling
+        if sampling.seed is not None and index:
+            sampling = msgspec.structs.replace(sampling,
+                                               seed=(sampling.seed + index) % 2**64)
+        out.append(msgspec.structs.replace(generate, id=index, stream=True,
+                                           sampling=sampling, report_prompt=True))
+    return out
+
+
+def _options(req: _Request, is_chat: bool, num_top: int | None, echo: bool = False,
+             parse_tools: bool = False) -> Options:
+    continuous = bool(req.stream_options is not None
+                      and req.stream_options.continuous_usage_stats)
+    include_usage = _include_usage(req)
+    return Options(is_chat, bool(req.stream), include_usage, num_top,
+                   num_choices=1 if req.n is None else req.n,
+                   continuous_usage=continuous and include_usage, echo=echo,
+                   include_stop_str=bool(req.include_stop_str_in_output or req.no_stop_trim),
+                   parse_tools=parse_tools)
+
+
+# Fields routers and clients send with these values (SGLang's and vLLM's defaults), which
+# mean what specd does anyway: another value asks for something specd does not do.
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "return_hidden_states": False, "stream_reasoning": True, "separate_reasoning": True,
+    "lora_path": None, "session_params": None, "regex": None, "ebnf": None,
+    "json_schema": None, "stop_regex": None,
+}
+
+
+def _refuse_unsupported(req: _Request, max_model_len: int) -> None:
+    """OpenAI's bounds specd's own checks leave out, and fields specd does not serve."""
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise HttpError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "bad_request",
+                        "n")
     if req.stream_options is not None and not req.stream:
         raise HttpError(400, "stream_options needs stream: true", "bad_request",
                         "stream_options")
+    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
+        raise HttpError(400, f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                        f"{req.temperature}", "bad_request", "temperature")
+    limits = [("max_tokens", req.max_tokens),
+              ("max_completion_tokens", getattr(req, "max_completion_tokens", None))]
+    for name, value in limits:
+        if value is not None and value >= max_model_len:
+            raise HttpError(400, f"{name} is {value}, but this model's maximum length is "
+                            f"{max_model_len} tokens, prompt included", "bad_request", name)
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise HttpError(400, f"min_tokens must be >= 0, got {req.min_tokens}", "bad_request",
+                        "min_tokens")
+    for name, default in ROUTER_DEFAULTS.items():
+        value = getattr(req, name)
+        if value is not None and value != default:
+            raise HttpError(400, f"{name}: only {json.dumps(default)} is supported",
+                            "bad_request", name)
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """OpenAI's rules the socket leaves to the template: messages not empty, known roles."""
+    if not messages:
+        raise HttpError(400, "messages must not be empty", "bad_request", "messages")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role and role not in CHAT_ROLES:
+            raise HttpError(400, f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
+                            f"{role!r}", "bad_request", f"messages[{i}].role")
 
 
 def _include_usage(req: _Request) -> bool:
@@ -199,6 +322,7 @@ def _sampling(req: _Request, max_tokens: int, num_top_logprobs: int | None
         "stop": stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "speculative": req.speculative,
         "logprobs": None if num_top_logprobs is None else max(1, num_top_logprobs),
+        "min_tokens": req.min_tokens,
         "repetition_penalty": req.repetition_penalty,
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "logit_bias": None if req.logit_bias is None else _token_keys(req.logit_bias),

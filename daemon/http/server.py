@@ -30,12 +30,20 @@ from specd.daemon.control import Control
 from specd.daemon.front_status import FrontStatus
 from specd.daemon.health_watch import HealthWatch
 from specd.daemon.http import params
+from specd.daemon.http.choices import Choices
 from specd.daemon.http.errors import HttpError
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import CONTENT_TYPE, Metrics
 from specd.daemon.http.peer import HttpPeer
-from specd.daemon.http.responses import DONE, Answer, sse
+from specd.daemon.http.responses import DONE, Answer, ParserFactory, sse
 from specd.daemon.lifecycle import State
+from specd.daemon.parsers.reasoning import prompt_opens_reasoning
+from specd.daemon.parsers.registry import (
+    AnswerParser,
+    reasoning_parser_for,
+    tool_call_parser_for,
+)
+from specd.daemon.prompts import RequestError
 from specd.daemon.request_flow import RequestFlow
 from specd.ipc import messages as m
 from specd.ipc.sampling import MAX_INT64
@@ -86,6 +94,9 @@ class HttpServer:
         self.health_watch = health
         self.new_connection_id = new_connection_id
         self.model = config.engine.model_path.name  # the name Ready reports too
+        sources = [t.source for t in requests.tokenizer.chat_templates.templates.values()]
+        self.tool_call_parser = tool_call_parser_for(config.tool_call_parser, sources)
+        self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, sources)
         app = web.Application(client_max_size=config.max_frame_bytes,
                               middlewares=[self._guard])
         app.add_routes([
@@ -146,14 +157,39 @@ class HttpServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = params.decode_body(await request.read(), params.CompletionRequest)
         self._check_model(req.model)
-        generate, options = params.completion_to_generate(req)
-        return await self._generate(request, generate, options)
+        generate, options = params.completion_to_generate(req, self._max_model_len())
+        echo = ""
+        if options.echo:
+            echo = (generate.prompt if generate.prompt is not None
+                    else self.requests.tokenizer.decode(generate.prompt_token_ids or []))
+        answer = Answer(options, self.model, self.requests.tokenizer, echo_text=echo)
+        return await self._generate(request, generate, answer)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = params.decode_body(await request.read(), params.ChatCompletionRequest)
         self._check_model(req.model)
         generate, options = params.chat_to_generate(req, self._max_model_len())
-        return await self._generate(request, generate, options)
+        answer = Answer(options, self.model, self.requests.tokenizer,
+                        self._parser_factory(generate, options))
+        return await self._generate(request, generate, answer)
+
+    def _parser_factory(self, generate: m.Generate, options: params.Options
+                        ) -> ParserFactory | None:
+        """What reads each choice's answer: the reasoning parser (starting inside the
+        reasoning when the rendered prompt opened it) and, when the request uses tools,
+        the tool-call parser; None when neither applies."""
+        tools = self.tool_call_parser if options.parse_tools else None
+        reasoning = self.reasoning_parser
+        if tools is None and reasoning is None:
+            return None
+        in_reasoning = False
+        if reasoning is not None:
+            try:
+                prompt = self.requests.prompts.render(generate)
+            except RequestError as exc:
+                raise HttpError(400, str(exc), exc.code) from exc
+            in_reasoning = prompt_opens_reasoning(prompt.text)
+        return lambda: AnswerParser.build(reasoning, in_reasoning, tools)
 
     def _check_model(self, model: str) -> None:
         if model != self.model:
@@ -164,36 +200,42 @@ class HttpServer:
         ready = self.status.ready
         return MAX_INT64 if ready is None else int(ready.resolved["max_model_len"])
 
-    async def _generate(self, request: web.Request, generate: m.Generate,
-                        options: params.Options) -> web.StreamResponse:
-        """Admit through the request flow, then answer from the peer's frames; the request
-        is aborted if the handler leaves before it ended (disconnect, cancellation)."""
+    async def _generate(self, request: web.Request, generate: m.Generate, answer: Answer
+                        ) -> web.StreamResponse:
+        """Admit the choices through the request flow, then answer from the peer's frames;
+        every choice still open is aborted if the handler leaves before it ended
+        (disconnect, cancellation, an error)."""
         peer = HttpPeer(self.new_connection_id(), self.counters)
-        answer = Answer(options, self.model, self.requests.tokenizer)
+        choices = Choices(self.requests, peer,
+                          params.choices(generate, answer.options.num_choices))
         try:
-            self.requests.admit(peer, generate)
+            choices.start()
             frames = await peer.receive()
-            if not options.stream:
-                # Not streamed: the Final, or an Error (after a Delta with the output so
-                # far, which an HTTP error response has no place for).
-                end = frames[-1]
-                if isinstance(end, m.Error):
-                    raise _error_of(end)
-                assert isinstance(end, m.Final), end
-                return json_response(answer.whole(end))
+            if not answer.options.stream:
+                while True:
+                    choices.on_frames(frames)
+                    for frame in frames:
+                        if isinstance(frame, m.Error):
+                            raise _error_of(frame)
+                        assert isinstance(frame, m.Prompt | m.Delta | m.Final), frame
+                        answer.add(frame)
+                    if answer.is_done:
+                        return json_response(answer.whole())
+                    frames = await peer.receive()
             if isinstance(frames[0], m.Error):
                 raise _error_of(frames[0])
-            return await self._stream(request, peer, answer, frames)
+            return await self._stream(request, peer, answer, frames, choices)
         finally:
             self.requests.on_connection_closed(peer, "HTTP client gone")
 
     async def _stream(self, request: web.Request, peer: HttpPeer, answer: Answer,
-                      frames: list[m.ServerMessage]) -> web.StreamResponse:
+                      frames: list[m.ServerMessage], choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         request[STREAMING] = True
         await response.prepare(request)
         try:
             while True:
+                choices.on_frames(frames)
                 events, is_done = _events(answer, frames)
                 if events:
                     await response.write(events)
@@ -238,14 +280,18 @@ def _error_of(frame: m.Error) -> HttpError:
 
 
 def _events(answer: Answer, frames: list[m.ServerMessage]) -> tuple[bytes, bool]:
-    """The stream's bytes for `frames`, and whether the request ended with them."""
+    """The stream's bytes for `frames`, and whether the request ended with them (every
+    choice ended, or one failed)."""
     events = []
     for frame in frames:
-        if isinstance(frame, m.Delta):
+        if isinstance(frame, m.Prompt):
+            events.append(answer.prompt_event(frame))
+        elif isinstance(frame, m.Delta):
             events.append(answer.delta_event(frame))
         elif isinstance(frame, m.Final):
             events.append(answer.final_events(frame))
-            return b"".join(events), True
+            if answer.is_done:
+                return b"".join(events), True
         elif isinstance(frame, m.Error):
             events.append(sse(_error_of(frame).body()) + DONE)
             return b"".join(events), True

@@ -19,7 +19,8 @@ MAX_MODEL_LEN = 2048
 
 def completion(**body: Any) -> tuple[m.Generate, params.Options]:
     raw = json.dumps({"model": "fixture", "prompt": "def f():", **body}).encode()
-    return params.completion_to_generate(params.decode_body(raw, params.CompletionRequest))
+    return params.completion_to_generate(params.decode_body(raw, params.CompletionRequest),
+                                         MAX_MODEL_LEN)
 
 
 def chat(**body: Any) -> tuple[m.Generate, params.Options]:
@@ -101,8 +102,20 @@ def test_chat_fields() -> None:
 
 
 @pytest.mark.parametrize("build, body, param", [
-    (completion, {"n": 2}, "n"),
-    (chat, {"n": 3}, "n"),
+    (completion, {"n": 0}, "n"),
+    (chat, {"n": 129}, "n"),
+    (completion, {"temperature": 2.5}, "temperature"),
+    (completion, {"max_tokens": 10**9}, "max_tokens"),
+    (chat, {"max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+    (chat, {"messages": []}, "messages"),
+    (chat, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (completion, {"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    (completion, {"min_tokens": -1}, "min_tokens"),
+    (completion, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (chat, {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    (chat, {"regex": "[a-z]+"}, "regex"),
+    (chat, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    (chat, {"continue_final_message": True}, "continue_final_message"),
     (completion, {"frobnicate": 1}, "frobnicate"),
     (completion, {"max_tokens": "10"}, "max_tokens"),
     (completion, {"max_tokens": 0}, "max_tokens"),
@@ -115,7 +128,6 @@ def test_chat_fields() -> None:
     (completion, {"prompt": [1, -2]}, "prompt"),
     (completion, {"stop": [""]}, "stop"),
     (completion, {"seed": 2**64}, "seed"),
-    (completion, {"echo": True}, "echo"),
     (completion, {"suffix": "x"}, "suffix"),
     (completion, {"best_of": 2}, "best_of"),
     (completion, {"presence_penalty": 2.5}, "presence_penalty"),
@@ -158,3 +170,42 @@ def test_the_generate_passes_the_sockets_own_decoder() -> None:
     generate, _ = chat(max_tokens=4, stop=["a"], top_k=2, seed=-1)
     frame = msgspec.msgpack.encode(generate)
     assert msgspec.msgpack.decode(frame, type=m.ClientMessage) == generate
+
+
+def test_choices_echo_and_the_fields_specd_implements() -> None:
+    generate, options = completion(n=3, seed=-1, echo=True, logprobs=1, min_tokens=2,
+                                   include_stop_str_in_output=True, max_tokens=4)
+    assert options.num_choices == 3 and options.echo and options.include_stop_str
+    assert generate.sampling.prompt_logprobs == 1 and generate.sampling.min_tokens == 2
+    choices = params.choices(generate, options.num_choices)
+    assert [c.id for c in choices] == [0, 1, 2]
+    assert all(c.stream and c.report_prompt for c in choices)
+    # Each choice its own seed: seed + i, modulo 2**64 (-1 seeds as 2**64 - 1).
+    assert [c.sampling.seed for c in choices] == [-1, 0, 1]
+    assert completion(echo=True)[0].sampling.prompt_logprobs is None  # no logprobs asked
+    _, options = completion(no_stop_trim=True)
+    assert options.include_stop_str
+
+
+def test_router_defaults_are_accepted() -> None:
+    defaults = {name: value for name, value in params.ROUTER_DEFAULTS.items()}
+    for build in (completion, chat):
+        generate, _ = build(**defaults, no_stop_trim=False, include_stop_str_in_output=False)
+        assert generate.sampling.temperature == 1.0
+
+
+def test_stream_options_and_tool_choice() -> None:
+    _, options = chat(stream=True, stream_options={"include_usage": True,
+                                                   "continuous_usage_stats": True})
+    assert options.include_usage and options.continuous_usage
+    _, options = chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert not options.continuous_usage  # as vLLM: only with include_usage
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    generate, options = chat(tools=tools)
+    assert generate.tools == tools and options.parse_tools
+    # tool_choice none: the tools are not rendered and the answer is not parsed.
+    generate, options = chat(tools=tools, tool_choice="none")
+    assert generate.tools is None and not options.parse_tools
+    assert not chat()[1].parse_tools
+    generate, _ = chat(add_generation_prompt=False)
+    assert generate.chat_template_kwargs == {"add_generation_prompt": False}

@@ -14,6 +14,8 @@ CLIENT_MESSAGES = [
     m.Generate(id=1, prompt="hello", sampling=SamplingParams(max_tokens=4, stop=("\n",))),
     m.Generate(id=2, messages=[m.ChatMessage("user", "hi")], stream=False, deadline_s=2.5),
     m.Generate(id=3, prompt_token_ids=[5, 6, 7]),
+    m.Generate(id=14, prompt_token_ids=[5, 6], report_prompt=True, sampling=SamplingParams(
+        min_tokens=2, prompt_logprobs=1)),
     m.Generate(id=10, prompt="x", sampling=SamplingParams(
         repetition_penalty=1.2, frequency_penalty=-0.5, presence_penalty=2.0,
         logit_bias={0: -100.0, 7: 2.5})),
@@ -38,6 +40,8 @@ SERVER_MESSAGES = [
     m.Delta(id=1, text="hé", token_ids=[3, 4]),
     m.Delta(id=2, text="x", token_ids=[5], logprobs=[m.Logprob(-0.5, [5, 6], [-0.5, -1.5])]),
     m.Delta(id=1),
+    m.Prompt(id=1, num_tokens=3, token_ids=[7, 8, 9],
+             logprobs=[m.Logprob(-1.5, [8], [-1.5]), m.Logprob(-0.25, [3], [-0.125])]),
     m.Final(id=1, finish_reason="stop", num_prompt_tokens=3, num_output_tokens=2,
             num_drafted=6, num_accepted=4, acceptance_length=2.5, stop_string="\n"),
     m.Error(id=None, code="bad_frame", message="frame too large"),
@@ -66,6 +70,8 @@ FROM_SCHEDULER = [
     m.StepOutput(step=5, deltas=[m.TokenDelta("r2", finish_reason="error",
                                               error="ValueError: no")]),
     m.StepOutput(step=4),
+    m.StepOutput(step=6, deltas=[m.TokenDelta("r3", [4])], prompt_logprobs=[
+        m.PromptLogprobs("r3", [m.Logprob(-2.0, [1, 2], [-0.5, -1.0])])]),
     m.RequestRejected("r1", "prompt too long"),
     m.QueryReply(query_id=2, result={"num_steps": 1}),
     m.QueryReply(query_id=3, result={}, error="bad mode"),

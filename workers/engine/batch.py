@@ -79,12 +79,24 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens `start`, `start + 1`, ... (start >= 1: the first
+    prompt token has none), each given the tokens before it."""
+
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(frozen=True)
 class ModelOutput:
     """Per request id that needed a sample: the new token ids (one without speculation;
-    accepted drafts plus the bonus token with it) and, if asked for, their log-probs."""
+    accepted drafts plus the bonus token with it) and, if asked for, their log-probs.
+    `prompt_logprobs`: per request that asked for them, those of the prompt rows the step
+    computed (whether or not it sampled)."""
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

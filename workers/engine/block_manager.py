@@ -162,8 +162,10 @@ class BlockManager:
         )
 
     def _find_cached(self, seq: Sequence) -> list[int]:
-        """Block ids of seq's longest cached prefix of full blocks, leaving its last token out."""
-        if not self.enable_prefix_caching:
+        """Block ids of seq's longest cached prefix of full blocks, leaving its last token out
+        (none for a request that wants its prompt's log-probabilities: every prompt row must
+        be computed)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         token_ids = seq.all_token_ids
         hits: list[int] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 from specd.ipc.sampling import SamplingParams
 from specd.workers.config import EngineConfig, EngineResolved
-from specd.workers.engine.batch import ScheduledBatch, TokenLogprobs
+from specd.workers.engine.batch import PromptLogprobs, ScheduledBatch, TokenLogprobs
 from specd.workers.engine.isolation import Isolation, describe
 from specd.workers.engine.plain_worker import Pending, StepWorker
 from specd.workers.engine.records import EngineStats, RequestDelta
@@ -66,6 +66,9 @@ class EngineCore:
         self._busy_after_last = False
         # request id -> number of output tokens already reported in a delta
         self._num_emitted: dict[str, int] = {}
+        # request id -> log-probabilities of its prompt tokens 1, 2, ... computed so far,
+        # until its first delta carries them (requests that asked only)
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._num_steps = 0
         self._num_generated = 0
         self.isolation = Isolation()
@@ -105,6 +108,8 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
         self.scheduler.add(Seq(request_id, prompt_token_ids, sampling))
         self._num_emitted[request_id] = 0
+        if sampling.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = []
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request; False if it is unknown or already done."""
@@ -219,6 +224,8 @@ class EngineCore:
         the step's figures for its controller. `overlapped`: resolved a call after launch."""
         batch, pending = launched.batch, launched.pending
         output = pending.resolve()
+        for request_id, computed in output.prompt_logprobs.items():
+            self._add_prompt_logprobs(request_id, computed)
         updated = self.scheduler.update(batch, output)
         self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
                          for seq in updated]
@@ -266,9 +273,24 @@ class EngineCore:
         self._busy_after_last = self.scheduler.has_unfinished()
         return step_s
 
+    def _add_prompt_logprobs(self, request_id: str, computed: PromptLogprobs) -> None:
+        """Keep a step's prompt log-probabilities for the request's first delta. Rows
+        computed again (a preempted request recomputes its prompt) are not kept twice."""
+        kept = self._prompt_logprobs.get(request_id)
+        if kept is None or request_id not in self._num_emitted:
+            return  # reported already, or the request ended
+        skip = len(kept) + 1 - computed.start
+        if skip < 0:
+            raise ValueError(f"request {request_id}: prompt log-probabilities from token "
+                             f"{computed.start}, but only {len(kept)} are known before it")
+        kept += computed.logprobs[skip:]
+
     def _delta(self, seq: Seq, logprobs: list[TokenLogprobs]) -> RequestDelta:
         start = self._num_emitted.get(seq.request_id, 0)
         new = seq.output_token_ids[start:]
+        prompt: list[TokenLogprobs] = []
+        if new and seq.request_id in self._prompt_logprobs:
+            prompt = self._prompt_logprobs.pop(seq.request_id)
         self._num_emitted[seq.request_id] = seq.num_output_tokens
         self._num_generated += len(new)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
@@ -285,10 +307,12 @@ class EngineCore:
             logprobs=logprobs[: len(new)],
             num_drafted=drafted,
             num_accepted=accepted,
+            prompt_logprobs=prompt,
         )
 
     def _forget(self, request_id: str) -> None:
         self._num_emitted.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         self.worker.release(request_id)
 
     def set_spec_mode(self, mode: str, threshold: int | None = None) -> None:

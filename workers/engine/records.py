@@ -22,6 +22,8 @@ class RequestDelta:
     num_drafted: int = 0
     num_accepted: int = 0
     error: str | None = None
+    # With the request's first output: its prompt's log-probabilities, tokens 1, 2, ...
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,10 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
-        # Read by every step's overlap decision (`any_counts_its_tokens`): decided once.
-        self.counts_its_tokens = sampling.has_history_penalties
+        # Read by every step's overlap decision (`any_counts_its_tokens`): decided once,
+        # but for min_tokens, whose mask needs the count only until it is reached.
+        self._has_history_penalties = sampling.has_history_penalties
+        self._masks_stop_tokens = sampling.masks_stop_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -65,6 +67,19 @@ class Sequence:
         # only by the id of that step's sample and their number. None/0 when there are none.
         self.lagged_sample_id: int | None = None
         self.num_lagged_drafts = 0
+
+    @property
+    def counts_its_tokens(self) -> bool:
+        """Whether this sequence's sampling depends on its earlier tokens: penalties, or a
+        min_tokens mask not yet lifted (workers/runner/min_tokens.py)."""
+        return self._has_history_penalties or (
+            self._masks_stop_tokens and self.num_output_tokens < self.sampling.min_tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The request asked for its prompt's log-probabilities (its prompt is computed
+        whole, not taken from the prefix cache)."""
+        return self.sampling.prompt_logprobs is not None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -134,8 +149,9 @@ class Sequence:
 
 def any_counts_its_tokens(seqs: Iterable[Sequence]) -> bool:
     """Whether some sequence's sampling counts its earlier tokens (repetition, frequency or
-    presence penalty). Those samples need every earlier token on the host, so while such a
-    sequence runs the workers run whole steps (no overlap, no lagged verify)."""
+    presence penalty; min_tokens not yet reached). Those samples need every earlier token
+    on the host, so while such a sequence runs the workers run whole steps (no overlap, no
+    lagged verify)."""
     return any(s.counts_its_tokens for s in seqs)
 
 

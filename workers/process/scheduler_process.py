@@ -73,6 +73,14 @@ def token_delta(delta: RequestDelta) -> m.TokenDelta:
     )
 
 
+def prompt_logprobs(deltas: list[RequestDelta]) -> list[m.PromptLogprobs]:
+    """The prompt log-probabilities the deltas carry (the first output of requests that
+    asked for them)."""
+    return [m.PromptLogprobs(d.request_id, [m.Logprob(lp.logprob, lp.top_ids, lp.top_logprobs)
+                                            for lp in d.prompt_logprobs])
+            for d in deltas if d.prompt_logprobs]
+
+
 class EngineLoop:
     """Feeds front messages to the engine and engine steps to the front."""
 
@@ -106,7 +114,8 @@ class EngineLoop:
         self.num_steps += 1
         now = time.monotonic()
         if deltas:
-            self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas]))
+            self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas],
+                                      prompt_logprobs(deltas)))
             self.last_sent = now
             self.is_stuck = False
         elif now - self.last_sent > HEARTBEAT_S:

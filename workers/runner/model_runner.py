@@ -8,6 +8,7 @@ computes logits only for the rows that sample, samples, and returns a `PendingOu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -15,7 +16,12 @@ from typing import cast
 import torch
 
 from specd.workers.config import EngineConfig
-from specd.workers.engine.batch import ModelOutput, ScheduledBatch, TokenLogprobs
+from specd.workers.engine.batch import (
+    ModelOutput,
+    ScheduledBatch,
+    ScheduledSequence,
+    TokenLogprobs,
+)
 from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.layers import LinearFactory
@@ -43,6 +49,12 @@ from specd.workers.runner.kv_cache import (
     num_kv_blocks,
 )
 from specd.workers.runner.memory_profile import measure_device_memory
+from specd.workers.runner.min_tokens import mask_stop_tokens
+from specd.workers.runner.prompt_logprobs import (
+    PendingPromptLogprobs,
+    item_rows,
+    launch_prompt_logprobs,
+)
 from specd.workers.runner.step_inputs import StepInputs, prepare_inputs
 
 # prepare_inputs and StepInputs live in step_inputs.py (the backends build steps too); they
@@ -61,15 +73,17 @@ class PendingOutput:
     tokens: HostCopy | None
     logits: torch.Tensor | None  # [M, vocab], kept only when a sequence asked for logprobs
     logprobs: Logprobs
+    prompt: PendingPromptLogprobs | None = None  # the prompt rows' log-probabilities
 
     def resolve(self) -> ModelOutput:
+        prompt = {} if self.prompt is None else self.prompt.resolve()
         if self.tokens is None:
-            return ModelOutput(sampled={})
+            return ModelOutput(sampled={}, prompt_logprobs=prompt)
         values = self.tokens.values()
         sampled = {s.request_id: [t] for s, t in zip(self.seqs, values, strict=True)}
         logprobs = ({} if self.logits is None else self.logprobs(
             self.logits, torch.tensor(values, device=self.logits.device), self.seqs))
-        return ModelOutput(sampled=sampled, logprobs=logprobs)
+        return ModelOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 class ModelRunner:
@@ -193,10 +207,20 @@ class ModelRunner:
             return PendingOutput([], None, None, self.logprobs)
         step = self.backend.forward_step(batch, self._input_ids)
         self.last_hidden, self.last_aux_hidden = step.hidden, step.aux
+        prompt = self.prompt_logprobs(batch.scheduled, item_rows(batch.scheduled, step.hidden))
         if not step.sample_seqs:
-            return PendingOutput([], None, None, self.logprobs)
+            return PendingOutput([], None, None, self.logprobs, prompt)
         logits = self.model.compute_logits(step.hidden[step.sample_rows]).float()  # [M, V]
-        return self.sample(logits, step.sample_seqs, step.sample_ids)
+        return dataclasses.replace(self.sample(logits, step.sample_seqs, step.sample_ids),
+                                   prompt=prompt)
+
+    def prompt_logprobs(self, items: list[ScheduledSequence], hidden: list[torch.Tensor]
+                        ) -> PendingPromptLogprobs | None:
+        """The log-probabilities of the prompt tokens items' rows predict (hidden[i]: item
+        i's rows), for the requests that asked (prompt_logprobs.py); None when none did."""
+        if not any(s.seq.wants_prompt_logprobs for s in items):
+            return None
+        return launch_prompt_logprobs(self.model.compute_logits, items, hidden)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's tokens: hidden [N, hidden] after the final norm. Writes
@@ -211,9 +235,12 @@ class ModelRunner:
         `future_tokens` under `sample_ids` (all >= 0, or the step resolves nothing there)
         and start their copy to the host."""
         params = [s.sampling for s in seqs]
-        # Penalties and logit biases (skipped when no row has any); logprobs stay raw.
-        tokens = sampler.sample(sampler.penalize(logits, params, seqs), params,
-                                self.generators_of(seqs), self.default_generator)
+        # Penalties and logit biases, then min_tokens' mask (each skipped when no row has
+        # any); logprobs stay raw.
+        changed = mask_stop_tokens(sampler.penalize(logits, params, seqs), params, seqs,
+                                   self.model_config.eos_token_ids)
+        tokens = sampler.sample(changed, params, self.generators_of(seqs),
+                                self.default_generator)
         self.write_futures(sample_ids, tokens)
         wants_logprobs = any(s.sampling.logprobs > 0 for s in seqs)
         return PendingOutput(seqs, HostCopy(tokens), logits if wants_logprobs else None,

@@ -226,24 +226,34 @@ def top_logprobs(
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
     num_rows = logits.shape[0]
-    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device)
-    if ids.shape != (num_rows,):
-        raise ValueError(f"token_ids must have shape ({num_rows},), got {tuple(ids.shape)}")
     counts = [n] * num_rows if isinstance(n, int) else list(n)
     if len(counts) != num_rows or any(c < 0 for c in counts):
         raise ValueError(f"n must be >= 0, once or once per row ({num_rows}), got {n}")
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
-    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-    max_n = min(max(counts, default=0), logits.shape[1])
-    top_values: list[list[float]] = [[] for _ in range(num_rows)]
-    top_ids: list[list[int]] = [[] for _ in range(num_rows)]
-    if max_n > 0:
-        values, indices = logprobs.sort(dim=-1, descending=True, stable=True)  # [M, V]
-        top_values, top_ids = values[:, :max_n].tolist(), indices[:, :max_n].tolist()
+    chosen_t, values, indices = top_logprob_tensors(logits, token_ids, max(counts, default=0))
+    chosen = chosen_t.tolist()
+    top_values, top_ids = values.tolist(), indices.tolist()
     return [
         TokenLogprobs(logprob=chosen[i], top_ids=top_ids[i][:c], top_logprobs=top_values[i][:c])
         for i, c in enumerate(counts)
     ]
+
+
+def top_logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int],
+                        n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`top_logprobs`' figures left on the device: the chosen tokens' log-probabilities
+    [M] and the top-n values and ids [M, min(n, V)] (float32, int64), nothing read on the
+    host."""
+    num_rows = logits.shape[0]
+    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device)
+    if ids.shape != (num_rows,):
+        raise ValueError(f"token_ids must have shape ({num_rows},), got {tuple(ids.shape)}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]
+    n = min(n, logits.shape[1])
+    if n <= 0:
+        return chosen, logprobs.new_empty(num_rows, 0), ids.new_empty(num_rows, 0)
+    values, indices = logprobs.sort(dim=-1, descending=True, stable=True)  # [M, V]
+    return chosen, values[:, :n], indices[:, :n]
 
 
 def _temperature(p: SamplingParams) -> float:

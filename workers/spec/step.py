@@ -19,6 +19,7 @@ from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.runner import sampler
 from specd.workers.runner.host_copy import HostCopy
 from specd.workers.runner.model_runner import PendingOutput
+from specd.workers.runner.prompt_logprobs import PendingPromptLogprobs
 from specd.workers.spec.tree import check_parents
 
 
@@ -142,6 +143,8 @@ class PendingSpec:
 
     figures: SpecFigures
     plain: PendingOutput | None = None
+    # Prompt rows of plain items in a verify step (a plain step's are in `plain`).
+    prompt: PendingPromptLogprobs | None = None
     verified: Verified | None = None
     drafted: Drafted | None = None
     # Device tensors the draft stream reads: kept alive until the next step is launched
@@ -158,15 +161,17 @@ class PendingSpec:
         drafts this step made hold NaN log-probabilities or a dropped parent."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        prompt = {} if self.prompt is None else self.prompt.resolve()
         if self.plain is not None:
             plain = self.plain.resolve()
             sampled.update(plain.sampled)
             logprobs.update(plain.logprobs)
+            prompt.update(plain.prompt_logprobs)
         if self.verified is not None:
             self._resolve_verified(self.verified, sampled, logprobs)
         if self.drafted is not None:
             self.drafted.check()
-        return ModelOutput(sampled=sampled, logprobs=logprobs)
+        return ModelOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt)
 
     def _resolve_verified(self, v: Verified, sampled: dict[str, list[int]],
                           logprobs: dict[str, list[TokenLogprobs]]) -> None:

@@ -32,6 +32,7 @@ from specd.workers.engine.batch import ScheduledSequence
 from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.runner.attention import build_attention_metadata
 from specd.workers.runner.host_copy import HostCopy, upload
+from specd.workers.runner.min_tokens import mask_tree_stop_tokens
 from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.runner.step_inputs import StepInputs, token_slice
 from specd.workers.spec.accept import Acceptance, accept_tree, penalize_tree
@@ -177,8 +178,11 @@ class Verifier:
         tree = self._trees(items, width, trees)
         depth = min(self.num_steps, width - 1)
         seqs = [s.seq for s in items]
-        # Penalties count each node's path (accept.penalize_tree); log-probabilities stay raw.
-        target = penalize_tree(logits, tree, [s.sampling for s in seqs], seqs)
+        # Penalties count each node's path (accept.penalize_tree), and so does min_tokens'
+        # mask (its depth); log-probabilities stay raw.
+        params = [s.sampling for s in seqs]
+        target = mask_tree_stop_tokens(penalize_tree(logits, tree, params, seqs), tree, params,
+                                       seqs, runner.model_config.eos_token_ids)
         acc = self._accept(tree, target, seqs, depth)
         bonus = acc.token_ids.gather(1, acc.num_accepted[:, None])[:, 0]
         sample_ids = [s.sample_id or 0 for s in items]

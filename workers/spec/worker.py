@@ -170,7 +170,8 @@ class SpeculativeWorker:
         verify = [i for i, s in enumerate(items) if verifies(s)]
         for i in plain:
             self._keep_aux(items[i].seq, items[i].start, rows[i].aux)
-        pending = PendingSpec(self.figures)
+        pending = PendingSpec(self.figures, prompt=self.runner.prompt_logprobs(
+            [items[i] for i in plain], [rows[i].hidden for i in plain]))
         sampling = [i for i in plain if items[i].needs_sample]
         if sampling:
             last = torch.stack([rows[i].hidden[-1] for i in sampling])
