@@ -14,6 +14,12 @@ one). Two kinds of figures:
 
 Names follow Prometheus' conventions: `specd_` prefix, base units (seconds), counters
 ending in `_total`, a mode or state as a label whose series is 1 for the current value.
+
+Beside them, under vLLM's names and with its `model_name` label, the figures routers and
+load balancers read from an inference server (`VLLM_METRICS`): the Gateway API Inference
+Extension's endpoint picker reads `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` (a fraction, 0-1; also under its older name
+`vllm:gpu_cache_usage_perc`) and `vllm:lora_requests_info` (no adapters here) by default.
 """
 
 from __future__ import annotations
@@ -116,10 +122,14 @@ class Metrics:
         self._snapshot = _Snapshot()
         self.registry.register(self._snapshot)
 
-    def render(self, stats: dict[str, Any], state: str) -> bytes:
-        """The text exposition for a stats reply's `stats` and the front's state."""
+    def render(self, stats: dict[str, Any], state: str, model: str = "",
+               resolved: dict[str, Any] | None = None) -> bytes:
+        """The text exposition for a stats reply's `stats` and the front's state; `model`
+        (the served model's name) and `resolved` (Ready's) label vLLM's names."""
         self._snapshot.stats = stats
         self._snapshot.state = state
+        self._snapshot.model = model
+        self._snapshot.resolved = resolved or {}
         return generate_latest(self.registry)
 
 
@@ -129,6 +139,8 @@ class _Snapshot:
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
         self.state = "starting"
+        self.model = ""
+        self.resolved: dict[str, Any] = {}
 
     def describe(self) -> list[Metric]:
         return []  # registered before any figure exists: no names to reserve
@@ -142,6 +154,7 @@ class _Snapshot:
                                 "query of this scrape.", value=int(has_engine))
         if has_engine:
             yield from engine_families(engine)
+            yield from vllm_families(self.stats, self.model, self.resolved)
 
 
 def front_families(stats: dict[str, Any]) -> Iterator[Metric]:
@@ -208,6 +221,45 @@ def engine_families(engine: dict[str, Any]) -> Iterator[Metric]:
         measured.add_metric([bucket, "on"], on)
         measured.add_metric([bucket, "off"], off)
     yield measured
+
+
+def vllm_families(stats: dict[str, Any], model: str, resolved: dict[str, Any]
+                  ) -> Iterator[Metric]:
+    """vLLM's names for the figures routers read (module docstring), labelled with the
+    model's name."""
+    engine, front = stats.get("engine") or {}, stats.get("front") or {}
+    total = engine.get("num_kv_blocks", 0)
+    used = total - engine.get("num_free_kv_blocks", 0)
+    usage = used / total if total else 0.0
+    labels = ["model_name"]
+    for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the model's batch.",
+             engine.get("num_running", 0)),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+             engine.get("num_waiting", 0)),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, a fraction (1 = full).", usage),
+            ("vllm:gpu_cache_usage_perc", "KV cache usage, a fraction (vLLM's older name).",
+             usage)):
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        family.add_metric([model], value)
+        yield family
+    for name, key in (("vllm:prompt_tokens", "prompt_tokens"),
+                      ("vllm:generation_tokens", "output_tokens")):
+        counter = CounterMetricFamily(name, f"{key.replace('_', ' ').capitalize()} of "
+                                      "finished requests.", labels=labels)
+        counter.add_metric([model], front.get(key, 0))
+        yield counter
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting "
+                             "(none: specd serves no adapters); the value is the time.",
+                             labels=["max_lora", "running_lora_adapters",
+                                     "waiting_lora_adapters"])
+    lora.add_metric(["0", "", ""], time.time())
+    yield lora
+    if "block_size" in resolved:
+        config = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration.",
+                                   labels=["block_size", "num_gpu_blocks"])
+        config.add_metric([str(resolved["block_size"]), str(total)], 1)
+        yield config
 
 
 def _state_set(name: str, doc: str, label: str, values: tuple[str, ...],

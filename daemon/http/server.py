@@ -1,7 +1,7 @@
 """The HTTP API's routes, on aiohttp in the front's event loop.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
-    GET  /v1/models, GET /metrics, GET /health
+    GET  /v1/models, /v1/models/{id}, /get_model_info (SGLang's), /metrics, /health
 
 A generate request is the socket's: its body becomes a `messages.Generate` (`params`),
 which `RequestFlow.admit` opens with an `HttpPeer` in place of a connection; the peer's
@@ -103,6 +103,8 @@ class HttpServer:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model_card),
+            web.get("/get_model_info", self.model_info),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
@@ -250,13 +252,29 @@ class HttpServer:
     # ---- the rest --------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/models/{id}: the served model's card, or 404 model_not_found."""
+        self._check_model(request.match_info["model_id"])
+        return json_response(self._card())
+
+    async def model_info(self, request: web.Request) -> web.StreamResponse:
+        """GET /get_model_info, SGLang's: what sglang-router reads to register a worker.
+        `model_path` is the name requests give as `model`."""
+        return json_response({"model_path": self.model, "tokenizer_path": self.model,
+                              "is_generation": True, "preferred_sampling_params": None,
+                              "weight_version": "default", "has_image_understanding": False,
+                              "has_audio_understanding": False})
+
+    def _card(self) -> dict[str, Any]:
         ready = self.status.ready
         card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "specd",
                                 "created": int(time.time() - (time.monotonic()
                                                               - self.status.started))}
         if ready is not None:
             card["max_model_len"] = int(ready.resolved["max_model_len"])
-        return json_response({"object": "list", "data": [card]})
+        return card
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         state = self.health_watch.reported_state  # `unresponsive`: the scheduler owes an answer
@@ -271,7 +289,9 @@ class HttpServer:
         if not isinstance(reply, m.StatsReply):
             raise _error_of(reply) if isinstance(reply, m.Error) else HttpError(
                 500, f"unexpected reply {type(reply).__name__}", "internal_error")
-        body = self.metrics_registry.render(reply.stats, self.status.state.value)
+        ready = self.status.ready
+        body = self.metrics_registry.render(reply.stats, self.status.state.value, self.model,
+                                            None if ready is None else ready.resolved)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

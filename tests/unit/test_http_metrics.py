@@ -79,8 +79,8 @@ def test_the_stats_reply_as_prometheus_text() -> None:
         assert got.get(key) == value, (key, got.get(key))
     assert got[("specd_time_to_first_token_seconds_count", ())] == 0
     assert any(name == "process_start_time_seconds" for name, _ in got)
-    for name, _ in got:  # Prometheus conventions
-        assert name.startswith(("specd_", "process_")), name
+    for name, _ in got:  # Prometheus conventions; vLLM's names for routers beside them
+        assert name.startswith(("specd_", "process_", "vllm:")), name
         assert "_ms" not in name and "_s_" not in name
 
 
@@ -128,3 +128,19 @@ def test_each_fallback_in_force_is_a_series_to_alert_on() -> None:
     assert got[("specd_fallback", (("name", "cuda_graphs"),))] == 1
     got = samples(Metrics().render(STATS, "ready").decode())  # none in force: no series
     assert not any(name == "specd_fallback" for name, _ in got)
+
+
+def test_vllm_names_for_routers_and_the_inference_gateway() -> None:
+    text = Metrics().render(STATS, "ready", "fixture", {"block_size": 16}).decode()
+    found = samples(text)
+    model = (("model_name", "fixture"),)
+    assert found[("vllm:num_requests_running", model)] == 2
+    assert found[("vllm:num_requests_waiting", model)] == 1
+    assert found[("vllm:kv_cache_usage_perc", model)] == 0.4  # 40 of 100 blocks held
+    assert found[("vllm:gpu_cache_usage_perc", model)] == 0.4
+    assert found[("vllm:prompt_tokens_total", model)] == 30
+    assert found[("vllm:generation_tokens_total", model)] == 70
+    assert found[("vllm:cache_config_info", (("block_size", "16"),
+                                             ("num_gpu_blocks", "100")))] == 1
+    lora = [k for k in found if k[0] == "vllm:lora_requests_info"]
+    assert lora and dict(lora[0][1])["running_lora_adapters"] == ""
