@@ -1,7 +1,8 @@
 """The HTTP API's routes, on aiohttp in the front's event loop.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
-    GET  /v1/models, /v1/models/{id}, /get_model_info (SGLang's), /metrics, /health
+    GET  /v1/models, /v1/models/{id}, /get_model_info and /get_server_info (SGLang's),
+         /metrics, /health
 
 A generate request is the socket's: its body becomes a `messages.Generate` (`params`),
 which `RequestFlow.admit` opens with an `HttpPeer` in place of a connection; the peer's
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 from aiohttp import web
 
+from specd import __version__
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
 from specd.daemon.front_status import FrontStatus
@@ -94,6 +96,7 @@ class HttpServer:
         self.health_watch = health
         self.new_connection_id = new_connection_id
         self.model = config.engine.model_path.name  # the name Ready reports too
+        self.model_dir = str(config.engine.model_path.resolve())
         sources = [t.source for t in requests.tokenizer.chat_templates.templates.values()]
         self.tool_call_parser = tool_call_parser_for(config.tool_call_parser, sources)
         self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, sources)
@@ -105,6 +108,9 @@ class HttpServer:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model_card),
             web.get("/get_model_info", self.model_info),
+            web.get("/model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.get("/server_info", self.server_info),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
@@ -260,12 +266,26 @@ class HttpServer:
         return json_response(self._card())
 
     async def model_info(self, request: web.Request) -> web.StreamResponse:
-        """GET /get_model_info, SGLang's: what sglang-router reads to register a worker.
-        `model_path` is the name requests give as `model`."""
-        return json_response({"model_path": self.model, "tokenizer_path": self.model,
+        """GET /get_model_info (or /model_info), SGLang's: what sglang-router reads to
+        register a worker. `model_path` is the name requests give as `model`,
+        `tokenizer_path` the model's directory (its tokenizer files)."""
+        return json_response({"model_path": self.model, "tokenizer_path": self.model_dir,
                               "is_generation": True, "preferred_sampling_params": None,
                               "weight_version": "default", "has_image_understanding": False,
                               "has_audio_understanding": False})
+
+    async def server_info(self, request: web.Request) -> web.StreamResponse:
+        """GET /get_server_info (or /server_info), SGLang's: the served name and the limits
+        routers read."""
+        ready = self.status.ready
+        resolved = {} if ready is None else ready.resolved
+        return json_response({
+            "model_path": self.model, "served_model_name": self.model,
+            "tokenizer_path": self.model_dir, "version": __version__,
+            "context_length": resolved.get("max_model_len"),
+            "max_total_num_tokens": resolved.get("kv_cache_tokens"),
+            "page_size": resolved.get("block_size"),
+            "max_running_requests": self.config.engine.max_num_seqs})
 
     def _card(self) -> dict[str, Any]:
         ready = self.status.ready

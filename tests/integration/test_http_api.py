@@ -140,7 +140,7 @@ def test_errors_arrive_as_the_sdks_exceptions(api: openai.OpenAI) -> None:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}
         return api.completions.create(**body)
 
-    for kwargs, param in (({"n": 2}, "n"), ({"temperature": -1.0}, "temperature"),
+    for kwargs, param in (({"n": 0}, "n"), ({"temperature": -1.0}, "temperature"),
                           ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
                           ({"extra_body": {"top_k": "many"}}, "top_k"),
                           ({"prompt": [1, 2**40]}, "prompt")):
@@ -180,6 +180,99 @@ def test_penalties_and_logit_bias_equal_the_sockets(daemon: Daemon, api: openai.
         api.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                logit_bias={str(2**31 - 1): 1})
     assert raised.value.code == "bad_request" and "logit_bias" in raised.value.message
+
+
+def test_n_sampled_choices_streamed_and_not(api: openai.OpenAI) -> None:
+    # A prompt of its own, longer than a KV block: the choices after the first take its
+    # blocks from the prefix cache (the first computes them).
+    messages: list[Any] = [{"role": "user", "content": "Write a function that merges two "
+                            "sorted lists of integers into one sorted list, in Python."}]
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 10,
+                              "temperature": 1.0, "n": 3, "seed": 11,
+                              "extra_body": {"ignore_eos": True}}
+    whole = api.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # each choice samples with its own seed (seed + index)
+    assert whole.usage is not None and whole.usage.completion_tokens == 30
+    assert whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+    assert [c.message.content for c in
+            api.chat.completions.create(**kwargs).choices] == texts  # seeded: the same
+    streamed = ["", "", ""]
+    chunks = list(api.chat.completions.create(**kwargs, stream=True,
+                                              stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+    assert {c.choices[0].finish_reason for c in chunks
+            if c.choices and c.choices[0].finish_reason} == {"length"}
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 30
+
+
+def test_lm_eval_loglikelihood_request_equals_transformers(api: openai.OpenAI) -> None:
+    """lm-eval's local-completions loglikelihood request, as it sends it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    ids = TOKENIZER.encode(PROMPTS[0] + "    return n if n < 2 else fib(n - 1)")
+    body = api.completions.create(model=MODEL, prompt=[ids], max_tokens=1, logprobs=1,
+                                  echo=True, temperature=0, seed=1234)
+    choice = body.choices[0]
+    assert choice.text.startswith(TOKENIZER.decode(ids))
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None and logprobs.tokens is not None
+    assert len(logprobs.token_logprobs) == len(ids) + 1  # the prompt, then the output token
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    want = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(logprobs.token_logprobs[1:len(ids)])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # lm-eval's greediness check: each token's log-probability is its top-1's when greedy.
+    for p, (value, top) in enumerate(zip(logprobs.token_logprobs[1:len(ids)],
+                                         logprobs.top_logprobs[1:len(ids)], strict=True)):
+        assert top is not None and len(top) == 1
+        assert (value == max(top.values())) == (int(expected[p].argmax()) == ids[p + 1])
+
+
+def test_stream_usage_and_the_fields_clients_add(api: openai.OpenAI) -> None:
+    chunks = list(api.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"min_tokens": 6, "skip_special_tokens": True, "no_stop_trim": False,
+                    "spaces_between_special_tokens": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+
+
+def test_openai_validation(base_url: str, api: openai.OpenAI) -> None:
+    for kwargs, param in (
+            ({"temperature": 5}, "temperature"),
+            ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+            ({"messages": []}, "messages"),
+            ({"max_tokens": 10**9}, "max_tokens"),
+            ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens")):
+        body: dict[str, Any] = {"model": MODEL, "messages": CHAT, **kwargs}
+        with pytest.raises(openai.BadRequestError) as raised:
+            api.chat.completions.create(**body)
+        assert isinstance(raised.value.body, dict) and raised.value.body["param"] == param
+    assert api.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4o")
+    status, info = get(base_url, "/get_model_info")
+    assert status == 200 and json.loads(info)["model_path"] == MODEL
+    labels = (("model_name", MODEL),)
+    found = scrape(base_url)
+    assert 0 <= found[("vllm:kv_cache_usage_perc", labels)] <= 1
+    assert found[("vllm:num_requests_waiting", labels)] == 0
+    assert ("vllm:num_requests_running", labels) in found
 
 
 def test_metrics_move_as_requests_run(base_url: str, api: openai.OpenAI) -> None:
