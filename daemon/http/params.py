@@ -9,7 +9,9 @@ API defines that specd serves, `frequency_penalty`, `presence_penalty`, `logit_b
 object keys), as in OpenAI's API. The fields routers and clients add with their default
 values (`skip_special_tokens: true`, `spaces_between_special_tokens: true`,
 `continue_final_message: false`, ...; `ROUTER_DEFAULTS`) are accepted at those values,
-which are what specd does; another value is refused by name.
+which are what specd does; another value is refused by name. vLLM's `include_reasoning`
+and SGLang's `separate_reasoning` are served (false: the reasoning is dropped, or left in
+the content).
 Like OpenAI's API, an unknown field is refused by name, and so is a field specd does not
 implement when it asks for something (`suffix`, `best_of` above 1, a `response_format`
 other than text, a `tool_choice` other than none or auto). The request is then
@@ -28,6 +30,7 @@ Defaults are OpenAI's where they differ from the socket's: temperature 1, comple
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -87,7 +90,6 @@ class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     spaces_between_special_tokens: bool | None = None
     return_hidden_states: bool | None = None
     stream_reasoning: bool | None = None
-    separate_reasoning: bool | None = None
     lora_path: str | None = None
     session_params: dict[str, Any] | None = None
     regex: str | None = None
@@ -121,6 +123,8 @@ class ChatCompletionRequest(_Request, frozen=True):
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    include_reasoning: bool | None = None  # vLLM's: false drops the reasoning
+    separate_reasoning: bool | None = None  # SGLang's: false leaves it in the content
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,9 @@ class Options:
     echo: completions' prompt before the output (its log-probabilities too, with
         logprobs). include_stop_str: the stop string that ended a choice stays in its text.
     parse_tools: a tool-call parser reads the answer (tools given, tool_choice not none).
+    parse_reasoning: the reasoning parser (if the model has one) reads the answer
+        (SGLang's separate_reasoning); include_reasoning: its reasoning is answered (vLLM's
+        include_reasoning; false drops it).
     """
 
     is_chat: bool
@@ -144,6 +151,8 @@ class Options:
     echo: bool = False
     include_stop_str: bool = False
     parse_tools: bool = False
+    parse_reasoning: bool = True
+    include_reasoning: bool = True
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
@@ -212,7 +221,10 @@ def chat_to_generate(req: ChatCompletionRequest, max_model_len: int
     names = {"logprobs": "top_logprobs",
              "max_tokens": "max_tokens" if req.max_completion_tokens is None
              else "max_completion_tokens"}
-    options = _options(req, True, num_top, parse_tools=uses_tools)
+    options = dataclasses.replace(
+        _options(req, True, num_top, parse_tools=uses_tools),
+        parse_reasoning=req.separate_reasoning is not False,
+        include_reasoning=req.include_reasoning is not False)
     return _convert(fields, _sampling(req, max_tokens, num_top), req, names), options
 
 
@@ -249,7 +261,7 @@ def _options(req: _Request, is_chat: bool, num_top: int | None, echo: bool = Fal
 # mean what specd does anyway: another value asks for something specd does not do.
 ROUTER_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "return_hidden_states": False, "stream_reasoning": True, "separate_reasoning": True,
+    "return_hidden_states": False, "stream_reasoning": True,
     "lora_path": None, "session_params": None, "regex": None, "ebnf": None,
     "json_schema": None, "stop_regex": None,
 }

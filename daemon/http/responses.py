@@ -84,13 +84,15 @@ class ChoiceAnswer:
         self.tool_calls: list[dict[str, Any]] = []
         self.logprobs: dict[str, Any] | None = None
 
-    def events(self, text: str, is_last: bool) -> list[Event]:
+    def events(self, text: str, is_last: bool, include_reasoning: bool = True) -> list[Event]:
         """The parsed output of `text` (the whole of it, with no parser), and with
-        `is_last` what the parser held."""
+        `is_last` what the parser held; without its reasoning unless `include_reasoning`."""
         if self.parser is None:
             return [Text(text)] if text else []
         events = self.parser.feed(text) if text else []
-        return events + self.parser.finish() if is_last else events
+        events = events + self.parser.finish() if is_last else events
+        return events if include_reasoning else [
+            e for e in events if not isinstance(e, Reasoning)]
 
     def collect(self, events: list[Event]) -> None:
         for event in events:
@@ -151,7 +153,8 @@ class Answer:
         choice = self.choices[delta.id]
         choice.num_output_tokens += len(delta.token_ids)
         logprobs = self._logprobs(choice, delta.token_ids, delta.logprobs, [], [])
-        events = choice.events(self._echoed(choice, delta.text), is_last=False)
+        events = choice.events(self._echoed(choice, delta.text), False,
+                               self.options.include_reasoning)
         choice.collect(events)  # whether it called tools decides its finish reason
         return b"".join(sse(c) for c in self._chunks(choice, events, logprobs, None))
 
@@ -162,7 +165,8 @@ class Answer:
         choice.final = final
         choice.num_output_tokens = final.num_output_tokens
         logprobs = self._logprobs(choice, final.token_ids, final.logprobs, [], [])
-        events = choice.events(self._echoed(choice, self._tail(final)), is_last=True)
+        events = choice.events(self._echoed(choice, self._tail(final)), True,
+                               self.options.include_reasoning)
         choice.collect(events)
         chunks = self._chunks(choice, events, logprobs, choice.finish_reason(final))
         out = [sse(c) for c in chunks]
@@ -240,7 +244,8 @@ class Answer:
             else:
                 text, is_last = frame.text, False
             logprobs = self._logprobs(choice, frame.token_ids, frame.logprobs, [], [])
-        choice.collect(choice.events(self._echoed(choice, text), is_last))
+        choice.collect(choice.events(self._echoed(choice, text), is_last,
+                                     self.options.include_reasoning))
         choice.logprobs = _joined(choice.logprobs, logprobs)
 
     def whole(self, final: m.Final | None = None) -> dict[str, Any]:

@@ -187,7 +187,7 @@ class HttpServer:
         reasoning when the rendered prompt opened it) and, when the request uses tools,
         the tool-call parser; None when neither applies."""
         tools = self.tool_call_parser if options.parse_tools else None
-        reasoning = self.reasoning_parser
+        reasoning = self.reasoning_parser if options.parse_reasoning else None
         if tools is None and reasoning is None:
             return None
         in_reasoning = False

@@ -209,3 +209,31 @@ def test_stream_options_and_tool_choice() -> None:
     assert not chat()[1].parse_tools
     generate, _ = chat(add_generation_prompt=False)
     assert generate.chat_template_kwargs == {"add_generation_prompt": False}
+
+
+# The bodies sglang-router 0.3 and vllm-router 0.1 forward for a plain request (captured
+# from the routers): their own fields added at their defaults.
+ROUTER_BODIES = [
+    ("chat", {"stream": False, "max_tokens": 8, "logprobs": False, "no_stop_trim": False,
+              "ignore_eos": False, "continue_final_message": False,
+              "skip_special_tokens": True, "separate_reasoning": True,
+              "stream_reasoning": True, "return_hidden_states": False,
+              "include_reasoning": True}),
+    ("completion", {"max_tokens": 8, "stream": False, "echo": False, "no_stop_trim": False,
+                    "ignore_eos": False, "skip_special_tokens": True,
+                    "return_hidden_states": False}),
+]
+
+
+@pytest.mark.parametrize("kind, body", ROUTER_BODIES, ids=["chat", "completion"])
+def test_the_routers_bodies_are_served(kind: str, body: dict[str, Any]) -> None:
+    generate, options = (chat if kind == "chat" else completion)(**body)
+    assert generate.sampling.max_tokens == 8 and not generate.sampling.ignore_eos
+    assert not options.include_stop_str and not options.echo
+
+
+def test_reasoning_switches() -> None:
+    _, options = chat()
+    assert options.parse_reasoning and options.include_reasoning
+    assert not chat(separate_reasoning=False)[1].parse_reasoning
+    assert not chat(include_reasoning=False)[1].include_reasoning
