@@ -242,9 +242,11 @@ def test_lm_eval_loglikelihood_request_equals_transformers(api: openai.OpenAI) -
 
 
 def test_stream_usage_and_the_fields_clients_add(api: openai.OpenAI) -> None:
+    # continuous_usage_stats is vLLM's (guidellm and aiperf send it), not in the SDK's types.
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(api.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        stream_options=options,
         extra_body={"min_tokens": 6, "skip_special_tokens": True, "no_stop_trim": False,
                     "spaces_between_special_tokens": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]

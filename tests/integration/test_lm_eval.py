@@ -28,12 +28,12 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-LOGLIKELIHOOD = [
+LOGLIKELIHOOD: list[dict[str, Any]] = [
     {"context": "def fib(n):\n", "continuation": "    return n"},
     {"context": "import os\nimport sys\n", "continuation": "\ndef main():"},
     {"context": "class Point:\n    def __init__(self", "continuation": ", x, y):"},
 ]
-MULTIPLE_CHOICE = [
+MULTIPLE_CHOICE: list[dict[str, Any]] = [
     {"question": "for i in range(10):\n    print(", "choices": ["i)", "x)", "'hello')"],
      "answer": 0},
     {"question": "def add(a, b):\n    return", "choices": ["a + b", "a * b", "None"],
