@@ -182,6 +182,7 @@ def test_penalties_and_logit_bias_equal_the_sockets(daemon: Daemon, api: openai.
     assert raised.value.code == "bad_request" and "logit_bias" in raised.value.message
 
 
+@pytest.mark.slow  # 3 requests of 3 sampled choices: about a minute on two loaded cores
 def test_n_sampled_choices_streamed_and_not(api: openai.OpenAI) -> None:
     # A prompt of its own, longer than a KV block: the choices after the first take its
     # blocks from the prefix cache (the first computes them).
