@@ -230,8 +230,13 @@ class HttpServer:
                     if answer.is_done:
                         return json_response(answer.whole())
                     frames = await peer.receive()
-            if isinstance(frames[0], m.Error):
-                raise _error_of(frames[0])
+            # The headers go with the first output: until then an error (the engine's
+            # refusal of a token id) is an HTTP status. A prompt frame is no output.
+            while all(isinstance(f, m.Prompt) for f in frames):
+                frames += await peer.receive()
+            first = next(f for f in frames if not isinstance(f, m.Prompt))
+            if isinstance(first, m.Error):
+                raise _error_of(first)
             return await self._stream(request, peer, answer, frames, choices)
         finally:
             self.requests.on_connection_closed(peer, "HTTP client gone")

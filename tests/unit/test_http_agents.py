@@ -65,6 +65,7 @@ CALL = ("The user wants the weather in Paris; I will call the tool.</think>Let m
 ANSWER = "The tool says it is sunny.</think>It is sunny in Paris, 24 °C."
 NO_THINKING = "Hello! How can I help?"
 MODEL = "kimi-scripted"
+REFUSED = "refuse this one"
 
 
 def script(generate: m.Generate, prompt: str) -> str:
@@ -96,6 +97,11 @@ class ScriptedFlow:
                 num_prompt: int) -> None:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         peer.send(m.Prompt(generate.id, num_prompt))
+        messages = generate.messages or []
+        if messages and messages[-1].content == REFUSED:  # as the engine refuses a token id
+            peer.send(m.Error(generate.id, "bad_request", "logit_bias token ids must be in "
+                              "[0, 300)"))
+            return
         for token_id in ids:
             peer.send(m.Delta(generate.id, detokenizer.add([token_id]), [token_id]))
         peer.send(m.Final(generate.id, "stop", num_prompt, len(ids), detokenizer.finish()))
@@ -231,3 +237,13 @@ def test_thinking_switch_and_tool_choice_none(served: tuple[openai.OpenAI, Scrip
                                                "chat_template_kwargs": {"thinking": False}})
     assert flow.admitted[-1].tools is None
     assert response.choices[0].message.content == NO_THINKING
+
+
+def test_a_refusal_before_any_output_is_an_http_status(served: tuple[openai.OpenAI,
+                                                                     ScriptedFlow]) -> None:
+    api, _ = served
+    refused: list[Any] = [{"role": "user", "content": REFUSED}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as raised:
+            api.chat.completions.create(model=MODEL, messages=refused, stream=stream)
+        assert raised.value.code == "bad_request"
