@@ -213,6 +213,7 @@ def test_n_sampled_choices_streamed_and_not(api: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 30
 
 
+@pytest.mark.slow  # loads transformers' model besides the daemon's: about 20 s
 def test_lm_eval_loglikelihood_request_equals_transformers(api: openai.OpenAI) -> None:
     """lm-eval's local-completions loglikelihood request, as it sends it."""
     transformers = pytest.importorskip("transformers")
