@@ -3,9 +3,12 @@ rounding and `tl.dot` that also hold under the CPU interpreter with bf16.
 
 Triton 3.9's interpreter (TRITON_INTERPRET=1) stores bf16 as uint16 and gets two things wrong
 that the GPU gets right: `tl.dot` on bf16 multiplies the bit patterns as integers, and fp32 ->
-bf16 casts truncate instead of rounding to nearest even. Kernels pass EMULATE=True exactly when
-they run under the interpreter with bf16 operands (`needs_bf16_emulation`); the helpers then
-compute the GPU's result by other means, so the interpreter tests check the GPU's arithmetic.
+bf16 casts truncate instead of rounding to nearest even. Kernels pass EMULATE=True when they
+run under the interpreter with bf16 operands; the helpers then compute the GPU's result by
+other means, so the interpreter tests check the GPU's arithmetic. float32 operands take the
+same path on every device (`needs_emulation`): `tl.dot` on fp32 defaults to TF32 on the GPU
+(a 10-bit mantissa), and the path multiplies in IEEE fp32 instead, so float32 is exact
+arithmetic (as torch's default, `allow_tf32` off) wherever it runs.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ def max_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
-def needs_bf16_emulation(t: torch.Tensor) -> bool:
-    """True for bf16 operands off CUDA, i.e. under the interpreter (see module docstring)."""
-    return t.device.type != "cuda" and t.dtype == torch.bfloat16
+def needs_emulation(t: torch.Tensor) -> bool:
+    """The kernels' EMULATE flag for operands like `t` (module docstring): bf16 off CUDA (the
+    interpreter), and float32 everywhere (IEEE products, not TF32)."""
+    return t.dtype == torch.float32 or (t.device.type != "cuda" and t.dtype == torch.bfloat16)
 
 
 @functools.cache
@@ -55,7 +59,8 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def dot_acc(a, b, acc, EMULATE: tl.constexpr):
     """acc + a @ b with fp32 accumulation. With EMULATE the same (exactly representable) values
-    are multiplied in fp32, which is what the GPU's bf16 tensor-core product computes."""
+    are multiplied in IEEE fp32, which is what the GPU's bf16 tensor-core product computes
+    (and, for fp32 operands, the exact product rather than TF32's)."""
     if EMULATE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)

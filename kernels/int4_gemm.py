@@ -19,7 +19,9 @@ Memory layout (one quantized linear with weight W [N = out, K = in]):
 Semantics (what the kernels and `int4_gemm_ref` compute): the dequantized weight is computed in
 float32 (exact: a 4-bit integer times a 16-bit float fits in fp32) and rounded once to the
 activation dtype; products are accumulated in float32; the result is rounded to the activation
-dtype. x is [M, K] fp16 or bf16 with any strides; y is a new contiguous [M, N] tensor.
+dtype. x is [M, K] fp16, bf16 or fp32 (fp32: IEEE products, not TF32, so float32 is exact
+arithmetic on the GPU too; kernels/common.py) with any strides; y is a new contiguous [M, N]
+tensor.
 
 Two kernels, chosen by `choose_config` from M and the shape, never by the caller:
 
@@ -56,7 +58,7 @@ from specd.kernels.common import (
     device_num_sms,
     dot_acc,
     max_offset,
-    needs_bf16_emulation,
+    needs_emulation,
     round_to,
 )
 from specd.kernels.int4_layout import (
@@ -263,7 +265,7 @@ def check_int4_gemm_args(x: torch.Tensor, weight_packed: torch.Tensor,
                          weight_zero_point: torch.Tensor | None = None) -> None:
     """Raise ValueError naming the tensor when the operands break the layout contract."""
     if x.dim() != 2 or x.dtype not in SUPPORTED_ACT_DTYPES:
-        raise ValueError(f"x must be a 2-D float16/bfloat16 tensor, got {x.dtype} "
+        raise ValueError(f"x must be a 2-D float16/bfloat16/float32 tensor, got {x.dtype} "
                          f"{tuple(x.shape)}")
     m, k = x.shape
     n = weight_packed.shape[0] if weight_packed.dim() == 2 else -1
@@ -313,7 +315,7 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
     cfg = config or choose_config(m, n, k, group_size, device_num_sms(x.device))
     if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {cfg.block_k}")
-    emulate = needs_bf16_emulation(x)
+    emulate = needs_emulation(x)
     group = kernel_group_size(group_size, k)
     zp, stride_zn, stride_zg = zero_point_args(weight_zero_point, weight_packed)
     has_zp = weight_zero_point is not None

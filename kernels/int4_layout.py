@@ -15,7 +15,7 @@ import torch
 import triton
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32: IEEE products
 SUPPORTED_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PACK_FACTOR = 8  # int4 values per int32 word
 

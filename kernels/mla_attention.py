@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_emulation, round_to
 from specd.kernels.tree_attention import (
     LOG2E,
     MAX_TREE_TOKENS,
@@ -321,7 +321,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         partial = out.new_empty((splits, *out.shape), dtype=torch.float32)
         lse = out.new_empty((splits, n, heads), dtype=torch.float32)
     # fp32 operands take the IEEE fp32 product (not TF32) through the emulation path of dot_acc.
-    emulate = needs_bf16_emulation(q_latent) or q_latent.dtype == torch.float32
+    emulate = needs_emulation(q_latent)
     _mla_attention_kernel[(num_seqs, num_m_blocks, splits)](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc,
         tree_mask if tree_mask is not None else seq_lens, partial, lse,

@@ -1,4 +1,5 @@
-"""Fused mixture of INT4 (W4A16) experts: y[t] = sum_j w[t, j] * SwiGLU_{e[t, j]}(x[t]).
+"""Fused mixture of experts: y[t] = sum_j w[t, j] * SwiGLU_{e[t, j]}(x[t]), over INT4 (W4A16)
+experts or dense ones.
 
 Memory layout (E experts, H hidden, I expert intermediate; `Int4ExpertWeights`): each expert's
 gate_proj, up_proj and down_proj in the compressed-tensors `pack-quantized` layout of
@@ -13,12 +14,21 @@ dimension, least significant nibble first, stored as value + 8), stacked over ex
   `pack_to_int32(zero_point, 4, packed_dim=0)` of the stacked rows: with I % 8 == 0 that is
   gate's words followed by up's). Symmetric experts have none (z = 0).
 * group_size 32, 64 or 128 for every projection, or None for channel-wise scales.
+* Dense experts (`ExpertWeights`, the activation dtype): `w13` [E, 2I, H] (gate rows, then up
+  rows) and `w2` [E, H, I], any strides; the kernels load their tiles as they are.
 
-Pipeline (`fused_moe_w4a16`, vLLM's `fused_experts` structure, notes/mla_moe_tp.md section 3):
+Routing: topk_ids [M, k] in [-1, E). An id of -1 says the slot's expert is not held here (with
+expert parallelism the caller applies its expert map, global id -> local id or -1, as vLLM's
+fused MoE does): the pair contributes zero, and its blocks are skipped (gate/up) or write
+zeros (down). Every shape is fixed by M, k, E and the block sizes; nothing is read on the
+host, so a forward through it can be captured as a CUDA graph.
+
+Pipeline (`fused_moe`, vLLM's `fused_experts` structure, notes/mla_moe_tp.md section 3):
 
 1. `moe_align_block_size` (kernels/moe_align.py): the M * k (token, slot) pairs, "pair"
    p = token * k + slot, sorted by expert (stable) and each expert's run padded to a multiple
-   of BLOCK_M with the sentinel M * k; one expert id per BLOCK_M block; the padded length.
+   of BLOCK_M with the sentinel M * k; one expert id per BLOCK_M block (-1 for the run of
+   pairs with id -1); the padded length.
 2. Gate/up launch over (block, N tile): the block's rows gathered from x (row p // k), times
    the gate and the up tile of the block's expert (two accumulators), SiLU-and-multiply fused
    in the epilogue -> h [M * k, I] at row p.
@@ -29,8 +39,9 @@ Pipeline (`fused_moe_w4a16`, vLLM's `fused_experts` structure, notes/mla_moe_tp.
 `routed_scaling_factor`: workers/models/moe.py's `route` multiplies it into topk_weights, so the
 weights arrive scaled and are applied as given; nothing here scales again.
 
-Semantics (the kernels and `fused_moe_w4a16_ref` alike), with `rnd` the rounding to the
-activation dtype: weights dequantized in float32 and rounded once (int4_gemm.py);
+Semantics (the kernels and `fused_moe_ref` alike), with `rnd` the rounding to the
+activation dtype (fp16, bf16, or fp32 with IEEE products, not TF32): INT4 weights dequantized
+in float32 and rounded once (int4_gemm.py), dense weights as they are;
 gate = rnd(x W_gate^T), up = rnd(x W_up^T) accumulated in float32; h = rnd(rnd(silu(gate)) *
 up); y = rnd(h W_down^T); weighted = rnd(y * w) in float32; out = rnd(sum_j weighted_j) in
 float32. These are the roundings of workers/models/moe.py's dense path plus one (weighted is stored
@@ -50,7 +61,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specd.kernels.common import INT32_MAX, dot_acc, max_offset, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, dot_acc, max_offset, needs_emulation, round_to
 from specd.kernels.int4_gemm import (
     dequant_tile,
     kernel_group_size,
@@ -123,6 +134,47 @@ class Int4ExpertWeights:
         return w13, w2
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Stacked SwiGLU weights of E routed experts (unquantized), H hidden, I intermediate.
+
+    w13: [E, 2I, H], expert e's gate_proj rows [0, I) then its up_proj rows [I, 2I).
+    w2: [E, H, I], expert e's down_proj. ValueError on construction for other shapes.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    def __post_init__(self) -> None:
+        e, two_i, h = self.w13.shape if self.w13.dim() == 3 else (-1, -1, -1)
+        if (self.w13.dim() != 3 or two_i % 2 or self.w2.dim() != 3
+                or tuple(self.w2.shape) != (e, h, two_i // 2)):
+            raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] disagree: "
+                             f"{list(self.w13.shape)}, {list(self.w2.shape)}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w13": self.w13, "w2": self.w2}
+
+    def dequantized(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s (w13 [2I, H], w2 [H, I]) in `dtype`."""
+        return self.w13[expert].to(dtype), self.w2[expert].to(dtype)
+
+
+Experts = Int4ExpertWeights | ExpertWeights
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -137,21 +189,23 @@ def _silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
 
 
-def fused_moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        weights: Int4ExpertWeights) -> torch.Tensor:
-    """Pure-torch `fused_moe_w4a16` with the kernels' semantics (module docstring): x [M, H]
-    (any float dtype), topk_ids [M, k], topk_weights [M, k] -> [M, H] in x.dtype.
+def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  weights: Experts) -> torch.Tensor:
+    """Pure-torch `fused_moe` with the kernels' semantics (module docstring): x [M, H]
+    (any float dtype), topk_ids [M, k] in [-1, E), topk_weights [M, k] -> [M, H] in x.dtype.
 
     The pairs are sorted by expert; each expert that received pairs is dequantized once and
     runs one gate/up and one down product over its rows (a loop over experts, never over
-    tokens; the bounds are read on the host: this is the CPU path).
+    tokens; the bounds are read on the host: this is the CPU path). Pairs of id -1 add zero.
     """
     num_tokens, top_k = topk_ids.shape
+    num_experts = weights.num_experts
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)  # id -1 sorts last and is skipped
     pair_weights = topk_weights.reshape(-1).float()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=weights.num_experts).tolist()
-    weighted = x.new_empty(num_tokens * top_k, weights.hidden_size)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    weighted = x.new_zeros(num_tokens * top_k, weights.hidden_size)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -169,6 +223,22 @@ def fused_moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 
 @triton.jit
+def _weight_tile(w_e, s_e, z_e, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                 stride_sg, stride_zn, stride_zg, GROUP_SIZE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, DENSE: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """One expert's W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile: loaded as it is
+    (DENSE) or dequantized (int4_gemm.dequant_tile); zeros past N and K."""
+    if DENSE:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                       mask=(offs_k[:, None] < K) & mask_n[None, :], other=0.0)
+    return dequant_tile(w_e, s_e, z_e, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                        stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K, HAS_ZP,
+                        OUT_DTYPE, EMULATE)
+
+
+@triton.jit
 def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, z_ptr, pair_weight_ptr, out_ptr,
                       sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                       num_pairs, a_row_divisor, N, K, num_blocks,
@@ -177,13 +247,15 @@ def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, z_ptr, pair_weight_ptr, out_ptr,
                       stride_om, stride_on,
                       GATE_UP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      HAS_ZP: tl.constexpr, EMULATE: tl.constexpr):
+                      HAS_ZP: tl.constexpr, DENSE: tl.constexpr, EMULATE: tl.constexpr):
     """Grid (num_blocks * cdiv(N, BLOCK_N),), GROUP_M blocks sharing each weight tile in turn.
 
     Program (block b, N tile): the BLOCK_M pairs sorted_ids[b * BLOCK_M:], A rows
     pair // a_row_divisor, expert expert_ids[b]; blocks at or past num_post exit at once.
     GATE_UP: out[pair, n] = rnd(rnd(silu(rnd(A W[n]))) * rnd(A W[N + n])) for n < N (W is
-    [2N, K]); otherwise out[pair, n] = rnd(rnd(A W[n]) * pair_weight[pair]).
+    [2N, K]); otherwise out[pair, n] = rnd(rnd(A W[n]) * pair_weight[pair]). A block of
+    expert -1 (pairs whose expert is not held) computes nothing: its gate/up rows are never
+    read, and its down rows are written as zeros. DENSE: W is the weights themselves.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -196,28 +268,34 @@ def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, z_ptr, pair_weight_ptr, out_ptr,
         return
     act_dtype = out_ptr.dtype.element_ty
     expert = tl.load(expert_ids_ptr + pid_m)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    mask_m = pairs < num_pairs  # padding rows hold the sentinel num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    out = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
+    if expert < 0:  # not held here: these pairs add zero
+        if not GATE_UP:
+            tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], act_dtype),
+                     mask=mask_m[:, None] & mask_n[None, :])
+        return
     w_e = w_ptr + expert * stride_we
     s_e = s_ptr + expert * stride_se
     z_e = z_ptr + expert * stride_ze
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
-    mask_m = pairs < num_pairs  # padding rows hold the sentinel num_pairs
     rows = pairs // a_row_divisor
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
+        w = _weight_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk,
                          stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K,
-                         HAS_ZP, act_dtype, EMULATE)
+                         HAS_ZP, DENSE, act_dtype, EMULATE)
         acc = dot_acc(a, w, acc, EMULATE)
         if GATE_UP:
-            w_up = dequant_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n + N, mask_n, stride_wn,
+            w_up = _weight_tile(w_e, s_e, z_e, kb * BLOCK_K, K, offs_n + N, mask_n, stride_wn,
                                 stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
-                                GROUP_SIZE, BLOCK_K, HAS_ZP, act_dtype, EMULATE)
+                                GROUP_SIZE, BLOCK_K, HAS_ZP, DENSE, act_dtype, EMULATE)
             acc_up = dot_acc(a, w_up, acc_up, EMULATE)
     y = round_to(acc, act_dtype, EMULATE).to(tl.float32)
     if GATE_UP:
@@ -273,14 +351,13 @@ def check_moe_config(cfg: FusedMoeConfig) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
-
 def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                         weights: Int4ExpertWeights) -> None:
+                         weights: Experts) -> None:
     """Raise ValueError naming the operand when it breaks the launcher's contract (the
-    weights' own layout is checked when `Int4ExpertWeights` is built). The ids' values are
-    not read (that would synchronise): they must lie in [0, E)."""
+    weights' own layout is checked when they are built). The ids' values are not read (that
+    would synchronise): they must lie in [-1, E)."""
     if x.dim() != 2 or x.dtype not in SUPPORTED_ACT_DTYPES:
-        raise ValueError(f"x must be a 2-D float16/bfloat16 tensor, got {x.dtype} "
+        raise ValueError(f"x must be a 2-D float16/bfloat16/float32 tensor, got {x.dtype} "
                          f"{list(x.shape)}")
     if x.shape[1] != weights.hidden_size:
         raise ValueError(f"x has hidden size {x.shape[1]}, the experts "
@@ -292,6 +369,9 @@ def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor {list(topk_ids.shape)}, got "
                          f"{topk_weights.dtype} {list(topk_weights.shape)}")
+    if isinstance(weights, ExpertWeights) and {weights.w13.dtype, weights.w2.dtype} != {x.dtype}:
+        raise ValueError(f"dense experts must be in x's dtype {x.dtype}, got w13 "
+                         f"{weights.w13.dtype}, w2 {weights.w2.dtype}")
     operands = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights,
                 **weights.tensors()}
     for name, t in operands.items():
@@ -300,34 +380,46 @@ def check_fused_moe_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         if max_offset(t) > INT32_MAX:
             raise ValueError(f"{name}'s strides {t.stride()} address past 2**31 elements")
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"fused_moe_w4a16 needs CUDA tensors (x is on {x.device}); use "
-                         "fused_moe_w4a16_ref on the CPU or set TRITON_INTERPRET=1")
+        raise ValueError(f"fused_moe needs CUDA tensors (x is on {x.device}); use "
+                         "fused_moe_ref on the CPU or set TRITON_INTERPRET=1")
 
 
-def _launch(a: torch.Tensor, a_row_divisor: int, packed: torch.Tensor, scale: torch.Tensor,
-            zero_point: torch.Tensor | None, pair_weights: torch.Tensor, out: torch.Tensor,
-            routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], gate_up: bool,
-            group_size: int | None, block_n: int, block_k: int, cfg: FusedMoeConfig) -> None:
-    """One `_fused_moe_kernel` launch: out [pairs, N] from A rows and W [E, N or 2N, K/8]."""
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # moe_align_block_size's outputs
+
+
+def _launch(a: torch.Tensor, a_row_divisor: int, weights: Experts, down: bool,
+            pair_weights: torch.Tensor, out: torch.Tensor, routing: Routing, block_n: int,
+            block_k: int, cfg: FusedMoeConfig) -> None:
+    """One `_fused_moe_kernel` launch: out [pairs, N] from A rows and the experts' w13
+    (gate/up, W [E, 2N, K]) or w2 (down, W [E, N, K])."""
     sorted_ids, expert_ids, num_post = routing
     n = out.shape[1]
     k = a.shape[1]
-    zp, stride_zn, stride_zg = zero_point_args(zero_point, packed)
+    if isinstance(weights, ExpertWeights):
+        w = weights.w2 if down else weights.w13
+        scale, zero_point, group_size = w, None, None  # unread: DENSE
+    else:
+        w = weights.w2_packed if down else weights.w13_packed
+        scale = weights.w2_scale if down else weights.w13_scale
+        zero_point = weights.w2_zero_point if down else weights.w13_zero_point
+        group_size = weights.group_size
+    zp, stride_zn, stride_zg = zero_point_args(zero_point, w)
     num_blocks = expert_ids.numel()
     _fused_moe_kernel[(num_blocks * triton.cdiv(n, block_n),)](
-        a, packed, scale, zp, pair_weights, out, sorted_ids, expert_ids, num_post,
+        a, w, scale, zp, pair_weights, out, sorted_ids, expert_ids, num_post,
         pair_weights.numel(), a_row_divisor, n, k, num_blocks,
-        a.stride(0), a.stride(1), packed.stride(0), packed.stride(1), packed.stride(2),
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         zp.stride(0) if zero_point is not None else 0, stride_zn, stride_zg,
         out.stride(0), out.stride(1),
-        GATE_UP=gate_up, GROUP_SIZE=kernel_group_size(group_size, k), BLOCK_M=cfg.block_m,
+        GATE_UP=not down, GROUP_SIZE=kernel_group_size(group_size, k), BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, HAS_ZP=zero_point is not None,
-        EMULATE=needs_bf16_emulation(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DENSE=isinstance(weights, ExpertWeights), EMULATE=needs_emulation(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _fused_moe_chunk(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     weights: Int4ExpertWeights, config: FusedMoeConfig | None) -> torch.Tensor:
+                     weights: Experts, config: FusedMoeConfig | None) -> torch.Tensor:
     """Steps 1-4 of the module docstring for one chunk of tokens: [M, H] -> [M, H]."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -337,20 +429,19 @@ def _fused_moe_chunk(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     routing = moe_align_block_size(topk_ids, cfg.block_m, w.num_experts)
     pair_weights = topk_weights.reshape(-1).float()  # [M * k], pair p at p
     h = torch.empty(num_pairs, w.intermediate_size, dtype=x.dtype, device=x.device)
-    _launch(x, top_k, w.w13_packed, w.w13_scale, w.w13_zero_point, pair_weights, h, routing,
-            True, w.group_size, cfg.block_n, cfg.block_k, cfg)
+    _launch(x, top_k, w, False, pair_weights, h, routing, cfg.block_n, cfg.block_k, cfg)
     weighted = torch.empty(num_pairs, w.hidden_size, dtype=x.dtype, device=x.device)
-    _launch(h, 1, w.w2_packed, w.w2_scale, w.w2_zero_point, pair_weights, weighted, routing,
-            False, w.group_size, cfg.block_n_down, cfg.block_k_down, cfg)
+    _launch(h, 1, w, True, pair_weights, weighted, routing, cfg.block_n_down,
+            cfg.block_k_down, cfg)
     return moe_sum(weighted.view(num_tokens, top_k, w.hidden_size))
 
 
-def fused_moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    weights: Int4ExpertWeights,
-                    config: FusedMoeConfig | None = None) -> torch.Tensor:
-    """x [M, H] fp16/bf16 (any strides), topk_ids int32/int64 [M, k] in [0, E), topk_weights
-    float [M, k] (routed_scaling_factor included) -> [M, H] in x.dtype: sum over slots j of
-    topk_weights[m, j] * SwiGLU_{topk_ids[m, j]}(x[m]) with the module docstring's semantics.
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              weights: Experts, config: FusedMoeConfig | None = None) -> torch.Tensor:
+    """x [M, H] fp16/bf16/fp32 (any strides), topk_ids int32/int64 [M, k] in [-1, E),
+    topk_weights float [M, k] (routed_scaling_factor included) -> [M, H] in x.dtype: sum
+    over slots j with topk_ids[m, j] >= 0 of topk_weights[m, j] * SwiGLU_{topk_ids[m, j]}(x[m])
+    with the module docstring's semantics. INT4 or dense experts (dense ones in x.dtype).
 
     `config` overrides `choose_moe_config` (benchmarks and tests only). Raises ValueError for
     any operand outside the contract instead of launching.

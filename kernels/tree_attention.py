@@ -15,6 +15,8 @@ among the last T keys it sees key S - T + j iff j <= i (tree_mask None: causal, 
 prefill chunks and decode) or iff bit j of tree_mask[row] is set (draft trees, T <= 64).
 Grouped-query heads: head h reads KV head h // (num_heads / num_kv_heads). Softmax in fp32; a
 row that sees no key at all (possible only with an empty mask and no prefix) outputs zeros.
+q and the caches share one dtype: bf16, fp16 or fp32 (fp32 takes IEEE products, not TF32:
+float32 is exact arithmetic on the GPU too, kernels/common.py).
 
 Kernel: grid (B, num_kv_heads * M blocks, KV splits). The M dimension packs (query token,
 head of the KV group) pairs, row r = t * group + g, so that one program reads each K/V tile
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_bf16_emulation, round_to
+from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_emulation, round_to
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per query row
 MAX_KV_SPLITS = 16
@@ -212,9 +214,9 @@ def _check_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, tree_mask: torch.Tensor | None,
                 max_query_len: int) -> None:
-    if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"q must be float16/bfloat16 [N, num_heads, head_dim], got {q.dtype} "
-                         f"{tuple(q.shape)}")
+    if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16/bfloat16/float32 [N, num_heads, head_dim], got "
+                         f"{q.dtype} {tuple(q.shape)}")
     num_heads, head_dim = q.shape[1:]
     if head_dim not in (16, 32, 64, 128, 256):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
@@ -298,7 +300,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         *partial.stride(), *lse.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32,
         NUM_SPLITS=splits, HAS_TREE_MASK=tree_mask is not None,
-        EMULATE=needs_bf16_emulation(q), num_warps=4, num_stages=2)
+        EMULATE=needs_emulation(q), num_warps=4, num_stages=2)
     if splits > 1:
         out.copy_(_merge_splits(partial, lse))
     return out

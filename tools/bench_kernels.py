@@ -31,7 +31,7 @@ the host is busy. `--parts` picks and orders the parts (default: bandwidth, gemm
 host); the JSON is rewritten after each.
 
 Fused INT4 MoE (`moe` part, last by default): kernels/moe_w4a16.py's
-`fused_moe_w4a16` at Kimi-K2 shapes (hidden 7168, expert intermediate 2048, 384 experts, top 8,
+`fused_moe` at Kimi-K2 shapes (hidden 7168, expert intermediate 2048, 384 experts, top 8,
 group 32, uniform random routing) for 1 to 64 tokens: the whole call (torch alignment, two
 launches, moe_sum) eagerly and replayed as a CUDA graph, eagerly with every weight tensor
 stored output-contiguous within its expert (`moe_nmajor_us`: the layout a loader may choose for
@@ -408,23 +408,23 @@ def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]
     from specd.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
     from specd.kernels.moe_w4a16 import (
         choose_moe_config,
-        fused_moe_w4a16,
-        fused_moe_w4a16_ref,
+        fused_moe,
+        fused_moe_ref,
     )
     from specd.workers.models.moe import experts_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, MOE_HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     ids, weights = _moe_routing(m)
-    out = fused_moe_w4a16(x, ids, weights, int4)
-    ref = fused_moe_w4a16_ref(x, ids, weights, int4)
+    out = fused_moe(x, ids, weights, int4)
+    ref = fused_moe_ref(x, ids, weights, int4)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7,
                                atol=2**-7 * float(ref.float().abs().max()))
     cfg = choose_moe_config(m * MOE_TOP_K, MOE_EXPERTS, MOE_INTER, MOE_HIDDEN)
-    t_moe = bench_ms(lambda: fused_moe_w4a16(x, ids, weights, int4))
-    t_graph, graph_error = _graph_ms(lambda: fused_moe_w4a16(x, ids, weights, int4))
-    torch.testing.assert_close(fused_moe_w4a16(x, ids, weights, int4_nmajor), out)
-    t_nmajor = bench_ms(lambda: fused_moe_w4a16(x, ids, weights, int4_nmajor))
+    t_moe = bench_ms(lambda: fused_moe(x, ids, weights, int4))
+    t_graph, graph_error = _graph_ms(lambda: fused_moe(x, ids, weights, int4))
+    torch.testing.assert_close(fused_moe(x, ids, weights, int4_nmajor), out)
+    t_nmajor = bench_ms(lambda: fused_moe(x, ids, weights, int4_nmajor))
     t_align = bench_ms(lambda: moe_align_block_size(ids, cfg.block_m, MOE_EXPERTS))
     t_align_torch = bench_ms(lambda: moe_align_block_size_ref(ids, cfg.block_m, MOE_EXPERTS))
     t_bf16 = bench_ms(lambda: experts_forward(x, ids, weights, dense))

@@ -119,7 +119,7 @@ def test_fused_kernel_reads_the_loaded_experts_as_the_reference_does(scheme: str
     """The experts as the loader stacked them are a valid operand of the Triton kernel
     (TRITON_INTERPRET=1 here): bf16 tokens through kernel and reference agree within the
     kernel tests' tolerance (tests/kernels/test_moe_w4a16.py: 2 eps of bf16, relative)."""
-    from specd.kernels.moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_ref
+    from specd.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
     write_checkpoint(FIXTURE_MOE_DIR, tmp_path / "int4", ct_scheme(*SCHEMES[scheme]),
                      KIMI_IGNORE, lambda module: ROUTED_EXPERT.match(module) is not None)
@@ -130,7 +130,7 @@ def test_fused_kernel_reads_the_loaded_experts_as_the_reference_does(scheme: str
     x = torch.randn(7, weights.hidden_size, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(weights.num_experts, generator=gen)[:2] for _ in range(7)])
     pair_weights = torch.rand(7, 2, generator=gen)
-    ref = fused_moe_w4a16_ref(x, ids, pair_weights, weights).float()
+    ref = fused_moe_ref(x, ids, pair_weights, weights).float()
     eps = torch.finfo(torch.bfloat16).eps
-    torch.testing.assert_close(fused_moe_w4a16(x, ids, pair_weights, weights).float(), ref,
+    torch.testing.assert_close(fused_moe(x, ids, pair_weights, weights).float(), ref,
                                rtol=2 * eps, atol=2 * eps * float(ref.abs().max()))

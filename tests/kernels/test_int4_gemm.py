@@ -135,7 +135,7 @@ def test_config_choice_by_m_and_shape() -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"group_size": 48}, "group_size must be one of"),
-    ({"x": torch.randn(2, 96)}, "float16/bfloat16"),
+    ({"x": torch.randn(2, 96, dtype=torch.float64)}, "float16/bfloat16/float32"),
     ({"x": torch.randn(2, 80).bfloat16()}, "does not divide"),
     ({"config": GemmConfig("splitk", 16, 16, 24)}, "block_k must be a power of two"),
     ({"weight_packed": torch.zeros(7, 12, dtype=torch.int64)}, "weight_packed must be int32"),

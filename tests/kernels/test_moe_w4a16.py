@@ -31,8 +31,8 @@ from specd.kernels.moe_w4a16 import (
     FusedMoeConfig,
     Int4ExpertWeights,
     choose_moe_config,
-    fused_moe_w4a16,
-    fused_moe_w4a16_ref,
+    fused_moe,
+    fused_moe_ref,
 )
 from specd.workers.models.moe import ExpertWeights, experts_forward
 
@@ -175,6 +175,26 @@ def test_align_invariants(num_tokens: int, top_k: int, num_experts: int, block_m
     assert {int(e) for e in expert_ids[:used]} == set(flat.tolist())
 
 
+def test_align_puts_pairs_of_no_held_expert_in_one_run_of_expert_minus_one() -> None:
+    """Ids -1 (expert parallelism: the expert is another rank's) sort after the experts' runs
+    into blocks of expert -1; the torch and Triton versions agree."""
+    ids = torch.tensor([[2, -1, 0], [-1, -1, 2], [0, 2, -1]])
+    sorted_ids, expert_ids, num_post = moe_align_block_size_ref(ids, 4, 3)
+    # pair p = token * 3 + slot; expert 0: pairs 2, 6; expert 2: 0, 5, 7; id -1: 1, 3, 4, 8
+    assert sorted_ids[:12].tolist() == [2, 6, 9, 9, 0, 5, 7, 9, 1, 3, 4, 8]
+    assert expert_ids[:3].tolist() == [0, 2, -1] and (expert_ids[3:] == -1).all()
+    assert num_post.tolist() == [12]
+    for got, expected in zip(moe_align_block_size(ids, 4, 3),
+                             (sorted_ids, expert_ids, num_post), strict=True):
+        assert torch.equal(got, expected)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, 384, (40, 8), generator=g)  # about 1 in 385 dropped
+    ids[::3, ::2] = -1
+    for got, expected in zip(moe_align_block_size(ids, 16, 384),
+                             moe_align_block_size_ref(ids, 16, 384), strict=True):
+        assert torch.equal(got, expected)
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -189,7 +209,7 @@ def test_reference_matches_brute_force(group_size: int | None, symmetric: bool) 
     weights, experts = make_experts(6, hidden, inter, group_size, symmetric)
     ids, topk_weights = routing(5, 3, 6, seed=1)
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(2))
-    got = fused_moe_w4a16_ref(x, ids, topk_weights, weights)
+    got = fused_moe_ref(x, ids, topk_weights, weights)
     expected = brute_force(x, ids, topk_weights, experts, group_size)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-5,
@@ -227,18 +247,20 @@ def test_dispatch_runs_the_reference_on_the_cpu() -> None:
                                              torch.stack([d[1] for d in dense])))
     got = experts_forward(x, ids, topk_weights, weights)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got, fused_moe_w4a16_ref(x, ids, topk_weights, weights))
+    assert torch.equal(got, fused_moe_ref(x, ids, topk_weights, weights))
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
 def _assert_kernel_matches(x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-                           weights: Int4ExpertWeights,
+                           weights: Int4ExpertWeights | ExpertWeights,
                            config: FusedMoeConfig | None = None) -> None:
-    got = fused_moe_w4a16(x, ids, topk_weights, weights, config)
-    ref = fused_moe_w4a16_ref(x, ids, topk_weights, weights)
-    eps = torch.finfo(x.dtype).eps
+    got = fused_moe(x, ids, topk_weights, weights, config)
+    ref = fused_moe_ref(x, ids, topk_weights, weights)
+    # float32: no rounding to flip, only the summation order inside the products (as the
+    # reference against brute force: 1e-5).
+    eps = 5e-6 if x.dtype == torch.float32 else torch.finfo(x.dtype).eps
     assert got.dtype == x.dtype and got.shape == ref.shape
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * eps,
                                atol=2 * eps * float(ref.float().abs().max()))
@@ -292,6 +314,73 @@ def test_kernel_matches_reference_on_configs(config: FusedMoeConfig) -> None:
     _assert_kernel_matches(x, ids, topk_weights, weights, config)
 
 
+def dense_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                  seed: int) -> ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    return ExpertWeights((torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2
+                          ).to(dtype),
+                         (torch.randn(num_experts, hidden, inter, generator=g) * 0.2).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "pool"), ROUTINGS[:4])
+def test_kernel_over_dense_experts_matches_reference(dtype: torch.dtype, num_tokens: int,
+                                                     top_k: int, num_experts: int,
+                                                     pool: tuple[int, ...] | None) -> None:
+    """Dense experts (a bf16 DeepSeek checkpoint's) through the same kernel: the tiles are the
+    weights themselves."""
+    weights = dense_experts(num_experts, 64, 32, dtype, seed=num_tokens)
+    ids, topk_weights = routing(num_tokens, top_k, num_experts, seed=top_k, experts=pool)
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    _assert_kernel_matches(x, ids, topk_weights, weights)
+
+
+def test_dense_reference_is_the_dense_cpu_path_in_float32() -> None:
+    """fused_moe_ref over dense experts is workers/models/moe.py's CPU path (float32: the
+    extra rounding of the weighted rows is exact there; the sums run in another order)."""
+    weights = dense_experts(6, 64, 32, torch.float32, seed=3)
+    ids, topk_weights = routing(7, 2, 6, seed=5)
+    ids[1, 0] = ids[4, 1] = -1
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(fused_moe_ref(x, ids, topk_weights, weights),
+                               experts_forward(x, ids, topk_weights, weights),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_float32_kernel_is_exact_arithmetic() -> None:
+    """float32 activations: IEEE products (not TF32) and float32 accumulation, so the kernel
+    equals the reference up to float32 summation order (1e-5), far below TF32's 1e-3."""
+    weights, experts = make_experts(6, 64, 64, 32, False, seed=13)
+    ids, topk_weights = routing(5, 3, 6, seed=14)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(15))
+    got = fused_moe(x, ids, topk_weights, weights)
+    assert got.dtype == torch.float32
+    expected = brute_force(x, ids, topk_weights, experts, 32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5,
+                               atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["int4", "dense"])
+def test_slots_of_no_held_expert_add_nothing(dense: bool) -> None:
+    """topk_ids -1 (expert parallelism's map applied): those slots contribute zero, in the
+    kernel, the reference and the brute-force sum over the remaining slots."""
+    int4, experts = make_experts(6, 64, 32, 32, True, seed=16)
+    weights = dense_experts(6, 64, 32, torch.bfloat16, seed=16) if dense else int4
+    ids, topk_weights = routing(9, 3, 6, seed=17)
+    held = ids.clone()
+    held[::2, 1] = -1
+    held[3] = -1  # a token with no held expert: zeros
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(18)).bfloat16()
+    _assert_kernel_matches(x, held, topk_weights, weights)
+    got = fused_moe(x, held, topk_weights, weights)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    if not dense:  # the held slots alone, by the float64 loop
+        kept = torch.where(held >= 0, topk_weights, 0.0)
+        expected = brute_force(x.float(), ids, kept, experts, 32)
+        torch.testing.assert_close(got.double(), expected, rtol=2**-6,
+                                   atol=2**-6 * float(expected.abs().max()))
+
+
 def test_kernel_operand_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Strided activations, int32 ids, bf16 router weights, and chunks of tokens."""
     weights, _ = make_experts(5, 64, 32, 32, True, seed=9)
@@ -323,15 +412,15 @@ def test_kernel_reads_output_major_weights() -> None:
     ids, topk_weights = routing(6, 2, 5, seed=12)
     x = torch.randn(6, 64).bfloat16()
     _assert_kernel_matches(x, ids, topk_weights, weights)  # also the reference of `strided`
-    assert torch.equal(fused_moe_w4a16(x, ids, topk_weights, strided),
-                       fused_moe_w4a16(x, ids, topk_weights, weights))
+    assert torch.equal(fused_moe(x, ids, topk_weights, strided),
+                       fused_moe(x, ids, topk_weights, weights))
 
 
 def test_no_tokens() -> None:
     weights, _ = make_experts(2, 64, 32, 32, True)
     args = (torch.empty(0, 64).bfloat16(), torch.empty(0, 2, dtype=torch.int64),
             torch.empty(0, 2), weights)
-    assert fused_moe_w4a16(*args).shape == fused_moe_w4a16_ref(*args).shape == (0, 64)
+    assert fused_moe(*args).shape == fused_moe_ref(*args).shape == (0, 64)
 
 
 def test_config_choice() -> None:
@@ -353,7 +442,9 @@ def _operands() -> dict[str, object]:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"x": torch.randn(2, 64)}, "float16/bfloat16"),
+    ({"x": torch.randn(2, 64, dtype=torch.float64)}, "float16/bfloat16/float32"),
+    ({"weights": ExpertWeights(torch.zeros(3, 64, 64), torch.zeros(3, 64, 32))},
+     "dense experts must be in x's dtype"),
     ({"x": torch.randn(2, 96).bfloat16()}, "hidden size 96"),
     ({"topk_ids": torch.zeros(3, 2, dtype=torch.int64)}, "topk_ids must be"),
     ({"topk_ids": torch.zeros(2, 2)}, "topk_ids must be"),
@@ -366,7 +457,7 @@ def test_launcher_errors(change: dict[str, object], message: str) -> None:
     args = _operands()  # valid as they are: test_kernel_matches_reference_on_* run them
     args.update(change)
     with pytest.raises(ValueError, match=message):
-        fused_moe_w4a16(**args)
+        fused_moe(**args)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -3,7 +3,7 @@ its launcher chooses, within the H200's shared memory per block.
 
 The interpreter tests check the kernels' arithmetic; this checks what only the GPU compiler
 sees (`tl.dot` shape and layout rules, register and shared-memory limits). Each launcher
-(`int4_gemm`, `tree_attention`, `mla_attention`, `fused_moe_w4a16`, and
+(`int4_gemm`, `tree_attention`, `mla_attention`, `fused_moe`, and
 tools/bench_kernels.py's copy kernel) is
 called with CPU tensors of the shapes and dtypes a real model gives it, with its kernel
 replaced by a recorder: what the launcher would launch on a CUDA device (block sizes from
@@ -248,11 +248,11 @@ def mla_cases(tier: str) -> Iterator[tuple[str, Call]]:
 def _moe_call(tokens: int, experts: int = 384, hidden: int = 7168, inter: int = 2048,
               top_k: int = 8, group: int | None = 32, dtype: str = "bfloat16",
               zero_point: bool = False) -> Call:
-    """fused_moe_w4a16 over `experts` stacked INT4 experts (default Kimi-K2's routed ones:
+    """fused_moe over `experts` stacked INT4 experts (default Kimi-K2's routed ones:
     hidden 7168, expert intermediate 2048, 384 experts, top 8, group 32)."""
     import torch
 
-    from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16
+    from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe
 
     dt = getattr(torch, dtype)
 
@@ -268,7 +268,7 @@ def _moe_call(tokens: int, experts: int = 384, hidden: int = 7168, inter: int = 
         w2, s2, z2 = weight(hidden, inter)
         weights = Int4ExpertWeights(w13, s13, w2, s2, group, z13, z2)
         ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-        return fused_moe_w4a16(torch.empty(tokens, hidden, dtype=dt), ids,
+        return fused_moe(torch.empty(tokens, hidden, dtype=dt), ids,
                                torch.ones(tokens, top_k), weights)
 
     return call
@@ -329,8 +329,10 @@ class _Recorder:
 @contextmanager
 def _recording(family: str, launches: list[tuple[Any, Any, tuple, dict]]) -> Iterator[None]:
     """Kernels replaced by recorders; the launchers' CUDA checks pass for CPU tensors; the
-    bf16 emulation flag set to what a CUDA tensor gives (False)."""
+    emulation flag set to what a CUDA tensor gives (True for float32 only)."""
     import importlib
+
+    import torch
 
     if family == "copy":
         modules = {importlib.import_module("tools.bench_kernels"): ["_copy_kernel"]}
@@ -339,7 +341,8 @@ def _recording(family: str, launches: list[tuple[Any, Any, tuple, dict]]) -> Ite
                    for name in FAMILY_MODULES[family]}
     stand_ins: tuple[tuple[str, Callable[..., Any]], ...] = (
         ("check_int4_gemm_args", lambda *a, **k: None), ("_check_args", lambda *a, **k: None),
-        ("check_fused_moe_args", lambda *a, **k: None), ("needs_bf16_emulation", lambda t: False))
+        ("check_fused_moe_args", lambda *a, **k: None),
+        ("needs_emulation", lambda t: t.dtype == torch.float32))
     saved: list[tuple[Any, str, Any]] = []
     for module, names in modules.items():
         patches: dict[str, Any] = {name: _Recorder(getattr(module, name), launches)

@@ -18,26 +18,26 @@ transformers (-inf: a dropped group's expert is never chosen).
 The routed experts are built dense (`RoutedExperts`) or INT4 (`Int4RoutedExperts`,
 workers/models/moe_int4.py: Kimi's per-expert compressed-tensors tensors) as the checkpoint's
 quantization_config says (`build_routed_experts`). All routed-expert computation goes
-through `experts_forward(x, topk_ids, topk_weights, weights)`. With `ExpertWeights`
-(stacked dense weights) it is a torch implementation that sorts the (token, slot) pairs by
-expert and runs one SwiGLU per expert that received tokens.
-With `Int4ExpertWeights` (kernels/moe_w4a16.py: stacked compressed-tensors INT4 experts) it
-is the fused W4A16 MoE kernel on CUDA (fp16/bf16) and the kernel's torch reference, which
-dequantizes each expert that received tokens, elsewhere.
+through `experts_forward(x, topk_ids, topk_weights, weights)`, whose ids may be -1 for a slot
+whose expert this rank does not hold (expert parallelism: workers/parallel/expert_parallel.py).
+On CUDA it is the fused MoE kernel (kernels/moe_w4a16.py) over either kind of weights: fixed
+shapes, nothing read on the host, so the forward captures as a CUDA graph. On the CPU it is
+the torch code that loops over the experts that received pairs (their bounds read on the host,
+which is free there): for `ExpertWeights` (stacked dense weights) a sort of the (token, slot)
+pairs by expert and one SwiGLU per expert, for `Int4ExpertWeights` (stacked compressed-tensors
+INT4 experts) the kernel's reference, which dequantizes each expert that received pairs.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.kernels.int4_layout import SUPPORTED_ACT_DTYPES
-from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe_w4a16, fused_moe_w4a16_ref
+from specd.kernels.moe_w4a16 import ExpertWeights, Int4ExpertWeights, fused_moe, fused_moe_ref
 from specd.workers.models.deepseek_config import MoeConfig
 from specd.workers.models.layers import LinearFactory
 from specd.workers.models.moe_int4 import Int4RoutedExperts
@@ -48,18 +48,6 @@ from specd.workers.models.quantization import Int4LinearFactory
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\."
                            r"(?P<proj>gate|up|down)_proj\."
                            r"weight(?P<kind>|_packed|_scale|_zero_point|_shape)$")
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """Stacked SwiGLU weights of E routed experts (unquantized), H hidden, I intermediate.
-
-    w13: [E, 2I, H], expert e's gate_proj rows [0, I) then its up_proj rows [I, 2I).
-    w2: [E, H, I], expert e's down_proj.
-    """
-
-    w13: torch.Tensor
-    w2: torch.Tensor
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, cfg: MoeConfig
@@ -95,28 +83,31 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.
 
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     weights: ExpertWeights | Int4ExpertWeights) -> torch.Tensor:
-    """x [M, H], topk_ids int64 [M, k], topk_weights float32 [M, k] -> [M, H] in x's dtype:
-    sum over slots j of topk_weights[m, j] * SwiGLU_{topk_ids[m, j]}(x[m]).
+    """x [M, H], topk_ids int64 [M, k] in [-1, E), topk_weights float32 [M, k] -> [M, H] in
+    x's dtype: sum over slots j with an expert (topk_ids[m, j] >= 0) of topk_weights[m, j] *
+    SwiGLU_{topk_ids[m, j]}(x[m]).
 
-    INT4 weights: `fused_moe_w4a16` on CUDA with fp16/bf16 activations, else its reference.
-    Dense weights: the M * k (token, slot) pairs are sorted by expert (stable), each expert
-    that received pairs runs one gate/up and one down matmul over its contiguous rows, and
-    the weighted rows are summed back into their tokens in float32. The loop runs over
-    experts, never over tokens; the per-expert bounds are read on the host (this is the CPU
-    path).
+    CUDA: `fused_moe` over either kind of weights (no host read). CPU, INT4 weights: the
+    kernel's reference. CPU, dense weights: the M * k (token, slot) pairs are sorted by
+    expert (stable; ids -1 last), each expert that received pairs runs one gate/up and one
+    down matmul over its contiguous rows, and the weighted rows are summed back into their
+    tokens in float32. The loop runs over experts, never over tokens; the per-expert bounds
+    are read on the host (free on the CPU).
     """
+    if x.is_cuda:
+        return fused_moe(x, topk_ids, topk_weights, weights)
     if isinstance(weights, Int4ExpertWeights):
-        if x.is_cuda and x.dtype in SUPPORTED_ACT_DTYPES:
-            return fused_moe_w4a16(x, topk_ids, topk_weights, weights)
-        return fused_moe_w4a16_ref(x, topk_ids, topk_weights, weights)
+        return fused_moe_ref(x, topk_ids, topk_weights, weights)
     num_tokens, top_k = topk_ids.shape
+    num_experts = weights.num_experts
     flat_ids = topk_ids.reshape(-1)
+    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)  # not held: after the rest
     order = torch.argsort(flat_ids, stable=True)  # [M * k] pairs grouped by expert
     token_of = order // top_k  # [M * k] the token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=weights.w13.shape[0])  # [E]
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]  # [E]
     ends = counts.cumsum(0)
     x_sorted = x.index_select(0, token_of)  # [M * k, H]
-    out = x.new_empty(x_sorted.shape)
+    out = x.new_zeros(x_sorted.shape)  # pairs of no held expert stay zero
     for e in counts.nonzero().flatten().tolist():
         end = int(ends[e])
         rows = slice(end - int(counts[e]), end)

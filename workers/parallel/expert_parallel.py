@@ -2,11 +2,13 @@
 
 Rank r holds the contiguous experts `local_experts(E, par)` at full width (the loader reads
 no other expert's tensors). After the attention all-reduce every rank has every token, so
-the router (replicated) chooses the same experts on every rank. Dispatch keeps the (token,
-slot) pairs whose expert is local; the local experts run over those pairs; combine adds
-each pair's weighted output into its token (float32). The shared experts are split across
-ranks like a dense MLP. The decoder layer's one all-reduce then sums routed and shared
-parts of every rank: the single-node form vLLM runs with an `expert_map`, no all-to-all.
+the router (replicated) chooses the same experts on every rank. Dispatch maps each (token,
+slot) pair's expert through the rank's expert map (global id -> local id, -1 where another
+rank holds it: `local_expert_ids`) and hands every pair to the routed experts, which skip the
+pairs of -1 (workers/models/moe.py's `experts_forward`): fixed shapes, nothing read on the
+host, so the forward captures as a CUDA graph. The shared experts are split across ranks like
+a dense MLP. The decoder layer's one all-reduce then sums routed and shared parts of every
+rank: the single-node form vLLM runs with an `expert_map`, no all-to-all.
 """
 
 from __future__ import annotations
@@ -52,17 +54,13 @@ class ExpertParallelMoE(nn.Module):
                          topk_weights: torch.Tensor) -> torch.Tensor:
         """The weighted outputs of the local experts' (token, slot) pairs, summed per token:
         [M, H] in x's dtype (zeros for a token none of whose experts is local)."""
-        first = self.experts_range.start
-        is_local = (topk_ids >= first) & (topk_ids < self.experts_range.stop)  # [M, k]
-        token_of = is_local.nonzero()[:, 0]  # [P] the token of each local pair
-        summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if token_of.numel():
-            pair_ids = (topk_ids[is_local] - first)[:, None]  # [P, 1] local expert ids
-            # Unit weights: the pair's weight is applied here, in float32, as experts_forward
-            # applies it for a whole MoE.
-            out = experts_forward(x.index_select(0, token_of), pair_ids,
-                                  torch.ones_like(pair_ids, dtype=torch.float32),
-                                  self.experts.weights())  # [P, H]
-            weighted = out.float() * topk_weights[is_local].float()[:, None]
-            summed.index_add_(0, token_of, weighted)
-        return summed.to(x.dtype)
+        local_ids = local_expert_ids(topk_ids, self.experts_range)
+        return experts_forward(x, local_ids, topk_weights, self.experts.weights())
+
+
+def local_expert_ids(topk_ids: torch.Tensor, experts: range) -> torch.Tensor:
+    """The expert map of a rank holding the contiguous `experts`, applied: topk_ids [M, k]
+    (global ids) -> [M, k] local ids (id - experts.start), -1 where another rank holds the
+    expert. Elementwise, on the device."""
+    local = topk_ids - experts.start
+    return torch.where((local >= 0) & (local < len(experts)), local, -1)
