@@ -33,9 +33,13 @@ Two kernels, chosen by `choose_config` from M and the shape, never by the caller
 * tiled (M > 64): a classic `tl.dot` GEMM over (M, N) tiles in grouped order for L2 reuse,
   dequantizing each weight tile in registers.
 
-Both read each packed word once per nibble position (eight loads of the same word hit L1);
-when BLOCK_K divides group_size one scale (and zero point) per output column covers a K block,
-otherwise each K row reads its group's. Channel-wise scales run as one group of
+The GEMV (BLOCK_M == 1) loads each packed word of its tile once and each scale once (a tile
+of BLOCK_K values of K spans TILE_GROUPS whole groups, or lies inside one group), expanding the
+eight nibbles of a word in registers: its working set is [TILE_GROUPS, GROUP_WORDS, 8,
+BLOCK_N]. The `tl.dot` paths (split-K with BLOCK_M > 1, tiled, and the fused MoE) dequantize a
+[BLOCK_K, BLOCK_N] tile reading each packed word once per nibble position (eight loads of the
+same word hit L1); when BLOCK_K divides group_size one scale (and zero point) per output column
+covers a K block, otherwise each K row reads its group's. Channel-wise scales run as one group of
 next_power_of_2(K) >= K columns, so every K block reads scale column 0. K is masked to its
 length, so any BLOCK_K works. The kernels take any strides; they read fastest when
 `weight_packed` and `weight_scale` are stored N-contiguous (`column_major`: the same [N, X]
@@ -134,13 +138,49 @@ def dequant_tile(w_ptr, s_ptr, z_ptr, k0, K, offs_n, mask_n, stride_wn, stride_w
 
 
 @triton.jit
+def _gemv_step(acc, x_ptr, stride_xk, w_ptr, s_ptr, z_ptr, k0, K, offs_n, mask_n, stride_wn,
+               stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE: tl.constexpr,
+               TILE_GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_ZP: tl.constexpr,
+               ACT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """acc [TILE_GROUPS, GROUP_WORDS, 8, BLOCK_N] fp32 + W[n, k] * x[k] elementwise for the
+    BLOCK_K = TILE_GROUPS * GROUP_WORDS * 8 positions k of K from k0 (k0 a multiple of
+    BLOCK_K): word w of group g holds k = k0 + 8 * (g * GROUP_WORDS + w) + i in nibble i. Each
+    packed word [g, w, n] and each scale [g, n] of the tile is loaded once; W is dequantized
+    in fp32 and rounded once to ACT_DTYPE (module docstring). Positions past K add zero."""
+    g = tl.arange(0, TILE_GROUPS)[:, None, None]  # [G, 1, 1]
+    w = tl.arange(0, GROUP_WORDS)[None, :, None]  # [1, W, 1]
+    word = k0 // 8 + g * GROUP_WORDS + w  # [G, W, 1] word index along K
+    word_ok = (word * 8 < K) & mask_n[None, None, :]  # [G, W, N]
+    words = tl.load(w_ptr + offs_n[None, None, :] * stride_wn + word * stride_wk,
+                    mask=word_ok, other=0)  # [G, W, N] int32, each word once
+    group = k0 // GROUP_SIZE + tl.arange(0, TILE_GROUPS)  # [G]
+    group_ok = (group[:, None] * GROUP_SIZE < K) & mask_n[None, :]  # [G, N]
+    scale = tl.load(s_ptr + offs_n[None, :] * stride_sn + group[:, None] * stride_sg,
+                    mask=group_ok, other=0.0)  # [G, N], each scale once
+    nibble = tl.arange(0, 8)[None, None, :, None]  # [1, 1, 8, 1]
+    u = (words[:, :, None, :] >> (nibble * 4)) & 0xF  # [G, W, 8, N]
+    if HAS_ZP:
+        zero = _zero_nibbles(z_ptr, offs_n, group[:, None], group_ok, stride_zn, stride_zg)
+        q = u - zero[:, None, None, :]
+    else:
+        q = u - 8
+    weight = round_to(q.to(tl.float32) * scale.to(tl.float32)[:, None, None, :], ACT_DTYPE,
+                      EMULATE)
+    offs_k = k0 + (g * GROUP_WORDS + w) * 8 + tl.arange(0, 8)[None, None, :]  # [G, W, 8]
+    x = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+    return acc + weight.to(tl.float32) * x.to(tl.float32)[:, :, :, None]
+
+
+@triton.jit
 def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_blocks_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
                         stride_zn, stride_zg, stride_os, stride_om, stride_on,
                         GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
-                        EMULATE: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); out is [SPLIT_K, M, N] (strided)."""
+                        EMULATE: tl.constexpr, TILE_GROUPS: tl.constexpr,
+                        GROUP_WORDS: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); out is [SPLIT_K, M, N] (strided).
+    TILE_GROUPS * GROUP_WORDS * 8 == BLOCK_K: the GEMV's tile of whole groups (`_gemv_step`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -150,20 +190,17 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_blocks_p
     kb_start = pid_k * k_blocks_per_split
     kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
     if BLOCK_M == 1:
-        # GEMV: [BLOCK_K] activations broadcast against the [BLOCK_K, BLOCK_N] weight slab,
-        # accumulated elementwise and reduced over K once at the end (no per-step shuffles).
-        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        # GEMV: the activations broadcast against the weight slab, accumulated elementwise
+        # and reduced over K once at the end (no per-step shuffles).
+        acc = tl.zeros([TILE_GROUPS, GROUP_WORDS, 8, BLOCK_N], dtype=tl.float32)
         for kb in range(kb_start, kb_end):
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = dequant_tile(w_ptr, s_ptr, z_ptr, kb * BLOCK_K, K, offs_n, mask_n, stride_wn,
-                             stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE,
-                             BLOCK_K, HAS_ZP, act_dtype, EMULATE)
-            x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=offs_k < K,
-                        other=0.0)  # [BLOCK_K]
-            acc += w.to(tl.float32) * x.to(tl.float32)[:, None]
+            acc = _gemv_step(acc, x_ptr + pid_m * stride_xm, stride_xk, w_ptr, s_ptr, z_ptr,
+                             kb * BLOCK_K, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
+                             stride_sg, stride_zn, stride_zg, GROUP_SIZE, TILE_GROUPS,
+                             GROUP_WORDS, HAS_ZP, act_dtype, EMULATE)
+        y = tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0)  # [BLOCK_N]
         out = out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n * stride_on
-        tl.store(out, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty, EMULATE),
-                 mask=mask_n)
+        tl.store(out, round_to(y, out_ptr.dtype.element_ty, EMULATE), mask=mask_n)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -343,7 +380,9 @@ def int4_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.
         weight_scale.stride(0), weight_scale.stride(1), stride_zn, stride_zg,
         partial.stride(0), partial.stride(1), partial.stride(2),
         GROUP_SIZE=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_ZP=has_zp, EMULATE=emulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_ZP=has_zp, EMULATE=emulate, TILE_GROUPS=max(1, cfg.block_k // group),
+        GROUP_WORDS=min(cfg.block_k, group) // 8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         out.copy_(partial.sum(0))
     return out

@@ -47,10 +47,10 @@ import triton
 import triton.language as tl
 
 from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_emulation, round_to
+from specd.kernels.split_kv import merge_splits
 from specd.kernels.tree_attention import (
     LOG2E,
     MAX_TREE_TOKENS,
-    _merge_splits,
     _online_softmax_step,
     choose_num_kv_splits,
 )
@@ -333,5 +333,5 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         HAS_TREE_MASK=tree_mask is not None, EMULATE=emulate,
         num_warps=8 if block_m * rank >= 16384 else 4, num_stages=2)
     if splits > 1:
-        out.copy_(_merge_splits(partial, lse))
+        merge_splits(partial, lse, out)
     return out

@@ -229,13 +229,15 @@ def _weight_tile(w_e, s_e, z_e, k0, K, offs_n, mask_n, stride_wn, stride_wk, str
                  OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """One expert's W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_K, BLOCK_N] tile: loaded as it is
     (DENSE) or dequantized (int4_gemm.dequant_tile); zeros past N and K."""
-    if DENSE:
+    if DENSE:  # both branches assign: the compiler would type the code after a return too
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+        tile = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                        mask=(offs_k[:, None] < K) & mask_n[None, :], other=0.0)
-    return dequant_tile(w_e, s_e, z_e, k0, K, offs_n, mask_n, stride_wn, stride_wk, stride_sn,
-                        stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K, HAS_ZP,
-                        OUT_DTYPE, EMULATE)
+    else:
+        tile = dequant_tile(w_e, s_e, z_e, k0, K, offs_n, mask_n, stride_wn, stride_wk,
+                            stride_sn, stride_sg, stride_zn, stride_zg, GROUP_SIZE, BLOCK_K,
+                            HAS_ZP, OUT_DTYPE, EMULATE)
+    return tile
 
 
 @triton.jit

@@ -24,7 +24,8 @@ once for all heads sharing it (decode with GQA fills a 16-row tile). Each progra
 online softmax first over its split of the prefix (no mask but the bound), then — in the last
 split only — over the T new keys with the causal or tree mask. With several KV splits (few
 programs, long prefixes: flash-decoding) each split writes its normalized output and log-sum-
-exp, merged afterwards; with one split the kernel writes the output directly.
+exp, merged afterwards by one kernel (kernels/split_kv.py); with one split the kernel writes
+the output directly.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from specd.kernels.common import INT32_MAX, device_num_sms, dot_acc, needs_emulation, round_to
+from specd.kernels.split_kv import merge_splits
 
 MAX_TREE_TOKENS = 64  # one int64 bit mask per query row
 MAX_KV_SPLITS = 16
@@ -302,14 +304,5 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         NUM_SPLITS=splits, HAS_TREE_MASK=tree_mask is not None,
         EMULATE=needs_emulation(q), num_warps=4, num_stages=2)
     if splits > 1:
-        out.copy_(_merge_splits(partial, lse))
+        merge_splits(partial, lse, out)
     return out
-
-
-def _merge_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Combine per-split outputs [S, N, H, D] (each normalized) by their log2-sum-exp [S, N, H]."""
-    top = lse.max(dim=0).values  # [N, H]
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weight = torch.exp2(lse - top)  # [S, N, H]; empty splits (-inf) weigh 0
-    total = weight.sum(dim=0).clamp(min=torch.finfo(torch.float32).tiny)
-    return (partial * weight[..., None]).sum(dim=0) / total[..., None]

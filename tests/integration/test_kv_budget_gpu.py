@@ -2,7 +2,8 @@
 
 The rule (workers/runner/kv_cache.py): budget = gpu_memory_utilization x (memory free after the
 weights - the activation peak of a forward at max_num_batched_tokens), and captured graphs
-come out of it. Checked against the device's own figures (`torch.cuda.mem_get_info`).
+come out of it, with the draft head's weights and draft loops (spec/draft_budget.py). Checked
+against the device's own figures (`torch.cuda.mem_get_info`).
 """
 
 from __future__ import annotations
@@ -65,3 +66,23 @@ def test_an_explicit_budget_is_not_profiled() -> None:
                                    cuda_graphs=False, kv_cache_memory_bytes=64 * MiB))
     assert core.runner.kv_budget.memory is None
     assert core.resolved.kv_budget_bytes == 64 * MiB
+
+
+def test_the_head_its_cache_and_every_graph_fit_the_budget() -> None:
+    """Speculative, graphs on: what the engine takes after the profile (the target's cache and
+    graphs, the head's weights, K/V and captured draft loops) stays within the budget, up to
+    the allocator's segment rounding."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    core = EngineCore(EngineConfig(device="cuda", dtype="bfloat16", spec_mode="on",
+                                   cuda_graphs=True, gpu_memory_utilization=0.5))
+    memory = core.runner.kv_budget.memory
+    assert memory is not None and core.spec is not None
+    assert "draft loop at" in core.resolved.graphs and "eager" not in core.resolved.graphs
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    taken = memory.free_bytes - free_after
+    budget = core.runner.kv_budget.num_bytes
+    assert taken <= budget + 128 * MiB, (taken, budget)
+    # The trial's measure of the draft loops covers what the capture proper took, roughly.
+    assert core.spec.drafter.loop_runner.memory_bytes > 0

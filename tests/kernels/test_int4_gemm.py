@@ -8,6 +8,9 @@ final rounding to the output dtype by one unit in the last place (`rtol` = eps o
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import pytest
 import torch
 
@@ -58,7 +61,7 @@ def _assert_matches_ref(y: torch.Tensor, x: torch.Tensor, packed: torch.Tensor,
     (70, 33, 96, 32),    # tiled path
     (130, 20, 128, 64),  # tiled path, 128-row tiles, partial last tile
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_reference_on_odd_shapes(m: int, n: int, k: int, group_size: int,
                                          dtype: torch.dtype) -> None:
     _, packed, scale = _random_int4(n, k, group_size, seed=m * 1000 + n)
@@ -258,3 +261,54 @@ def test_bad_zero_points_and_channel_scales_raise(change: dict[str, object],
     args.update(change)
     with pytest.raises(ValueError, match=message):
         int4_gemm(**args)
+
+
+# ----------------------------------------------------------------------------- GEMV loads
+
+
+def _loaded_addresses(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every element address the interpreted kernels load from (masked-off lanes left out)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    loaded: list[Any] = []
+    real = InterpreterBuilder.create_masked_load
+
+    def record(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+        loaded.append(ptrs.data[mask.data].copy())
+        return real(self, ptrs, mask, *args)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", record)
+    return loaded
+
+
+def _load_counts(loaded: list[Any], t: torch.Tensor) -> Counter[int]:
+    """How often each element of `t` was loaded, by element address."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    counts: Counter[int] = Counter()
+    for chunk in loaded:
+        counts.update(int(a) for a in chunk if lo <= a < hi)
+    return counts
+
+
+@pytest.mark.parametrize(("k", "group_size", "block_k", "split_k"), [
+    (256, 32, 128, 1),    # a tile of 4 whole groups
+    (256, 128, 64, 2),    # 2 tiles per group, over 2 splits
+    (192, 64, 128, 1),    # the last tile half past K
+])
+def test_the_gemv_loads_each_word_and_each_scale_once_per_tile(
+        k: int, group_size: int, block_k: int, split_k: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each packed word is read once (not once per nibble) and each scale once per tile that
+    covers its group (not once per K row), as Int4Linear stores them (N-contiguous)."""
+    _, packed_k, scale_k = _random_int4(40, k, group_size, seed=k)
+    packed, scale = column_major(packed_k), column_major(scale_k)
+    x = torch.randn(1, k).bfloat16()
+    cfg = GemmConfig("splitk", 1, 16, block_k, split_k=split_k)
+    loaded = _loaded_addresses(monkeypatch)
+    y = int4_gemm(x, packed, scale, group_size, config=cfg)
+    _assert_matches_ref(y, x, packed_k, scale_k, group_size)
+    words = _load_counts(loaded, packed)
+    assert len(words) == packed.numel() and set(words.values()) == {1}
+    scales = _load_counts(loaded, scale)
+    assert len(scales) == scale.numel()
+    assert set(scales.values()) == {max(1, group_size // block_k)}

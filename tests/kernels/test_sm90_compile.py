@@ -51,10 +51,12 @@ WORKER_TIMEOUT_S = 1500
 LAUNCHED = {"int4_gemm": {"_int4_splitk_kernel", "_int4_tiled_kernel"},
             "tree_attention": {"_tree_attention_kernel"},
             "mla_attention": {"_mla_attention_kernel"},
+            "split_kv": {"_merge_splits_kernel"},
             "moe_w4a16": {"_fused_moe_kernel"},
             "moe_align": {"_moe_align_kernel"}}
-FAMILY_MODULES = {"int4": ("int4_gemm",), "tree": ("tree_attention",),
-                  "mla": ("mla_attention",), "moe": ("moe_w4a16", "moe_align")}
+# The split-KV merge compiles with the attention that launches it (its head_dim, splits).
+FAMILY_MODULES = {"int4": ("int4_gemm",), "tree": ("tree_attention", "split_kv"),
+                  "mla": ("mla_attention", "split_kv"), "moe": ("moe_w4a16", "moe_align")}
 FAMILIES = ("int4", "tree", "mla", "moe", "copy")
 
 
@@ -101,9 +103,9 @@ def _gemm_call(m: int, k: int, n: int, group: int | None, act: str = "bfloat16",
 
 def int4_cases(tier: str) -> Iterator[tuple[str, Call]]:
     """Main: Llama-3.1-8B's gate_up (wide N) and down (wide K) and a Kimi-K2 expert at g32
-    and g128, bf16, Int4Linear's layout, at every M branch. Full: every shape, group 32/64/128,
-    M across the branches' edges, and fp16 activations, fp16/fp32 scales, the checkpoint's
-    layout."""
+    and g128, bf16, Int4Linear's layout, at every M branch; float32 activations (IEEE
+    products) on gate_up. Full: every shape, group 32/64/128, M across the branches' edges,
+    and fp16/fp32 activations, fp16/fp32 scales, the checkpoint's layout."""
     if tier == "main":
         shapes = {k: v for k, v in {**LLAMA_8B_GEMMS, **KIMI_GEMMS}.items()
                   if k in ("gate_up", "down", "expert gate/up")}
@@ -115,6 +117,8 @@ def int4_cases(tier: str) -> Iterator[tuple[str, Call]]:
         for m in (1, 16, 128):  # asymmetric (zero points) and channel-wise scales
             yield f"gate_up m{m} g128 zero points", _gemm_call(m, k, n, 128, zero_point=True)
             yield f"gate_up m{m} channel-wise", _gemm_call(m, k, n, None)
+            for group in (32, 128):
+                yield f"gate_up m{m} g{group} fp32", _gemm_call(m, k, n, group, "float32")
         return
     for name, (k, n) in {**LLAMA_8B_GEMMS, **KIMI_GEMMS, **FIXTURE_GEMMS}.items():
         for group in (32, 64, 128):
@@ -136,6 +140,10 @@ def int4_cases(tier: str) -> Iterator[tuple[str, Call]]:
                 yield (f"{name} m{m} g{zp_group} zero points",
                        _gemm_call(m, k, n, zp_group, zero_point=True))
             yield f"{name} m{m} channel-wise", _gemm_call(m, k, n, None)
+    for m in (1, 17, 64, 65, 129):
+        for group in (32, 64, 128, None):
+            yield (f"down m{m} g{group} fp32 scale fp32",
+                   _gemm_call(m, *LLAMA_8B_GEMMS["down"], group, "float32", "float32"))
     for m in (1, 16, 128):
         yield (f"o m{m} channel-wise fp16 checkpoint zero points",
                _gemm_call(m, *LLAMA_8B_GEMMS["o"], None, "float16", "float16", "checkpoint",
@@ -180,15 +188,18 @@ def _tree_call(heads: int, kv_heads: int, head_dim: int, t: int, tree: bool, spl
 def tree_cases(tier: str) -> Iterator[tuple[str, Call]]:
     """Main: Llama-3.1-8B (32 heads, 8 KV, head_dim 128) and the fixture model (4, 2, 64) at
     decode (KV splits), a 5-step chain's verify (6 causal rows), a 10-token tree (KV splits)
-    and 64 tree tokens: BLOCK_M 16, 32 and 64, with and without the tree mask and splits.
-    Full: head_dim 16-256, GQA groups 1, 7 and 8, fp16."""
+    and 64 tree tokens: BLOCK_M 16, 32 and 64, with and without the tree mask and splits
+    (the split merge at head_dim 128 and 64), in bf16 and float32 (IEEE products). Full:
+    head_dim 16-256, GQA groups 1, 7 and 8, fp16 and fp32."""
     if tier == "main":
         for name, heads, kv_heads, head_dim in (("llama-3.1-8b", 32, 8, 128),
                                                 ("fixture", 4, 2, 64)):
-            for t, tree, splits in ((1, False, 16), (6, False, 1), (10, True, 16),
-                                    (64, True, 1)):
-                yield (f"{name} t{t} {'tree' if tree else 'causal'} splits{splits}",
-                       _tree_call(heads, kv_heads, head_dim, t, tree, splits))
+            for dtype in ("bfloat16", "float32"):
+                for t, tree, splits in ((1, False, 16), (6, False, 1), (10, True, 16),
+                                        (64, True, 1)):
+                    yield (f"{name} {dtype} t{t} {'tree' if tree else 'causal'} "
+                           f"splits{splits}",
+                           _tree_call(heads, kv_heads, head_dim, t, tree, splits, dtype))
         return
     for head_dim in (16, 32, 64, 128, 256):
         for group in (1, 8):
@@ -198,8 +209,10 @@ def tree_cases(tier: str) -> Iterator[tuple[str, Call]]:
     for t, tree, splits in ((1, False, 16), (6, False, 1), (10, True, 1)):  # Qwen2-7B: 28/4
         yield f"qwen2-7b t{t} splits{splits}", _tree_call(28, 4, 128, t, tree, splits)
     for head_dim in (64, 128, 256):
-        yield (f"hd{head_dim} fp16 t16 tree", _tree_call(8, 2, head_dim, 16, True, 1,
-                                                         dtype="float16"))
+        for dtype in ("float16", "float32"):
+            for splits in (1, 4):
+                yield (f"hd{head_dim} {dtype} t16 tree splits{splits}",
+                       _tree_call(8, 2, head_dim, 16, True, splits, dtype=dtype))
 
 
 def _mla_call(heads: int, t: int, tree: bool, splits: int, rank: int = 512, rope: int = 64,
@@ -247,16 +260,24 @@ def mla_cases(tier: str) -> Iterator[tuple[str, Call]]:
 
 def _moe_call(tokens: int, experts: int = 384, hidden: int = 7168, inter: int = 2048,
               top_k: int = 8, group: int | None = 32, dtype: str = "bfloat16",
-              zero_point: bool = False) -> Call:
+              zero_point: bool = False, dense: bool = False) -> Call:
     """fused_moe over `experts` stacked INT4 experts (default Kimi-K2's routed ones:
-    hidden 7168, expert intermediate 2048, 384 experts, top 8, group 32)."""
+    hidden 7168, expert intermediate 2048, 384 experts, top 8, group 32), or dense ones of
+    the activation dtype (a bf16 DeepSeek checkpoint's)."""
     import torch
 
-    from specd.kernels.moe_w4a16 import Int4ExpertWeights, fused_moe
+    from specd.kernels.moe_w4a16 import ExpertWeights, Int4ExpertWeights, fused_moe
 
     dt = getattr(torch, dtype)
 
     def call() -> object:
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        if dense:
+            dense_weights = ExpertWeights(torch.empty(experts, 2 * inter, hidden, dtype=dt),
+                                          torch.empty(experts, hidden, inter, dtype=dt))
+            return fused_moe(torch.empty(tokens, hidden, dtype=dt), ids,
+                             torch.ones(tokens, top_k), dense_weights)
+
         def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             groups = 1 if group is None else k // group
             zp = (torch.empty(experts, -(-n // 8), groups, dtype=torch.int32) if zero_point
@@ -267,9 +288,8 @@ def _moe_call(tokens: int, experts: int = 384, hidden: int = 7168, inter: int = 
         w13, s13, z13 = weight(2 * inter, hidden)
         w2, s2, z2 = weight(hidden, inter)
         weights = Int4ExpertWeights(w13, s13, w2, s2, group, z13, z2)
-        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
         return fused_moe(torch.empty(tokens, hidden, dtype=dt), ids,
-                               torch.ones(tokens, top_k), weights)
+                         torch.ones(tokens, top_k), weights)
 
     return call
 
@@ -277,11 +297,21 @@ def _moe_call(tokens: int, experts: int = 384, hidden: int = 7168, inter: int = 
 def moe_cases(tier: str) -> Iterator[tuple[str, Call]]:
     """Main: Kimi-K2's routed experts in decode (BLOCK_M 16) and prefill (32 with GROUP_M 8),
     both launches (gate/up with SiLU-and-multiply, down), and the one-program aligner (up to
-    1024 pairs; more take the torch path). Full: BLOCK_M 64 (few experts),
-    group 128, channel-wise, zero points, fp16, small layers (16-wide tiles)."""
+    1024 pairs; more take the torch path); DeepSeek-V3's dense bf16 experts (256, top 8) and
+    the fixture's (8 experts, hidden 128, intermediate 96, top 2) in bf16 and float32.
+    Full: BLOCK_M 64 (few experts), group 128, channel-wise, zero points, fp16, fp32, small
+    layers (16-wide tiles)."""
     if tier == "main":
         for tokens in (1, 128, 2048):  # 128 tokens: 1024 pairs, the aligner's widest sort
             yield f"kimi-k2 m{tokens}", _moe_call(tokens)
+            # 8 of DeepSeek-V3's 256 dense experts: the same specialization (the expert count
+            # sizes the grid; the aligner's 257 bins are Kimi's 512-wide histogram too).
+            yield f"deepseek-v3 dense m{tokens}", _moe_call(tokens, experts=8, dense=True)
+        for dtype in ("bfloat16", "float32"):
+            for tokens in (1, 64):
+                yield (f"fixture-moe dense {dtype} m{tokens}",
+                       _moe_call(tokens, experts=8, hidden=128, inter=96, top_k=2,
+                                 dtype=dtype, dense=True))
         return
     yield "8 experts m2048 (BLOCK_M 64)", _moe_call(2048, experts=8, hidden=4096, inter=14336,
                                                     top_k=2)
@@ -290,6 +320,9 @@ def moe_cases(tier: str) -> Iterator[tuple[str, Call]]:
         yield f"kimi-k2 m{tokens} channel-wise", _moe_call(tokens, group=None)
         yield f"kimi-k2 m{tokens} zero points", _moe_call(tokens, zero_point=True)
         yield f"kimi-k2 m{tokens} fp16", _moe_call(tokens, dtype="float16")
+        yield f"kimi-k2 m{tokens} fp32", _moe_call(tokens, dtype="float32")
+        yield f"deepseek-v3 dense fp16 m{tokens}", _moe_call(tokens, experts=8,
+                                                             dtype="float16", dense=True)
     yield "small m16 channel-wise", _moe_call(16, experts=4, hidden=32, inter=16, top_k=2,
                                               group=None)
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.engine.plain_worker import PlainWorker, StepWorker
 from specd.workers.models.checkpoint_check import check_int4_storage
 from specd.workers.models.config import ModelConfig
+from specd.workers.runner.dtypes import TORCH_DTYPES, resolve_dtype
 from specd.workers.runner.kv_cache import KvBudget, kv_block_bytes, kv_bytes_per_token
 from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.spec.controller import SpecController, SpecEvent
+from specd.workers.spec.draft_budget import head_weight_bytes, measure_draft_loop_bytes
 from specd.workers.spec.draft_config import resolve_aux_layer_ids
 from specd.workers.spec.draft_model import load_draft_head
 from specd.workers.spec.head_files import read_draft_config
@@ -37,10 +41,19 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
         return PlainWorker(ModelRunner(config, model_config))
     draft_config = read_draft_config(path)
     aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
-    # The head's K/V cache has the target's blocks: its bytes come from the same budget.
+    # The head's K/V cache has the target's blocks, and its weights and captured loops take
+    # device memory too: all come from the same budget (spec/draft_budget.py).
+    dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
+    limit = model_config.max_model_len
+    loop_bytes = measure_draft_loop_bytes(
+        draft_config, config.spec_topk, config.spec_num_steps, verify_query_len(config),
+        config.max_num_seqs, min(config.max_model_len or limit, limit), config.block_size,
+        dtype, torch.device(config.device)) if config.graphs_enabled else 0
     runner = ModelRunner(config, model_config, capture_layers=aux_layers,
                          verify_shape=(verify_query_len(config), config.spec_topk > 1),
-                         extra_kv_elements_per_token=draft_config.kv_elements_per_token)
+                         extra_kv_elements_per_token=draft_config.kv_elements_per_token,
+                         draft_weight_bytes=head_weight_bytes(draft_config, path, dtype),
+                         draft_loop_bytes=loop_bytes)
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.draft_embedding_weight(), dtype=runner.dtype,
                            device=runner.device)

@@ -91,7 +91,10 @@ class CudaGraph(Generic[T]):
     # pool: torch.cuda.graph_pool_handle(), shared by every graph of a GraphRunner.
     def __init__(self, forward: Callable[[], T], pool: torch.cuda._POOL_HANDLE) -> None:
         # Warm up on a side stream first (Triton compiles its kernels, the allocator sees
-        # the sizes), as torch.cuda.make_graphed_callables does.
+        # the sizes), as torch.cuda.make_graphed_callables does, and capture on that same
+        # stream: what the warm-up cached is that stream's, released when the capture
+        # begins (torch.cuda.graph empties the cache), so the memory capture_all measures
+        # is the graphs' pool alone.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -99,8 +102,9 @@ class CudaGraph(Generic[T]):
                 forward()
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph, pool=pool):
+        with torch.cuda.graph(self._graph, pool=pool, stream=side):
             self._outputs = forward()
+        torch.cuda.current_stream().wait_stream(side)
 
     def replay(self) -> T:
         self._graph.replay()
@@ -108,14 +112,19 @@ class CudaGraph(Generic[T]):
 
 
 def capture_all(keys: Sequence[K], make_forward: Callable[[K], Callable[[], T]],
-                device: torch.device, what: str
+                device: torch.device, what: str, trial: bool = False
                 ) -> tuple[dict[K, EagerGraph[T] | CudaGraph[T]], str | None, int]:
     """One graph per key, in the given order (largest first: they share one memory pool):
     (graphs, None, pool bytes), or on any failure ({}, the reason, pool bytes) after one
-    ERROR record with the key, the reason and the traceback (the caller runs eagerly)."""
+    ERROR record with the key, the reason and the traceback (the caller runs eagerly; a
+    `trial` capture, made only to measure, logs its failure at INFO: the capture proper
+    fails too and reports it). Pool bytes: the device's reserved memory after the captures
+    less before, with the allocator's cache emptied at both ends, so that nothing but the
+    graphs' pool (and what their outputs hold) is counted."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
     graphs: dict[K, EagerGraph[T] | CudaGraph[T]] = {}
@@ -128,12 +137,18 @@ def capture_all(keys: Sequence[K], make_forward: Callable[[K], Callable[[], T]],
     except Exception as exc:  # noqa: BLE001 - reported here, then eager by design
         graphs = {}
         error = f"capture of {key} failed: {type(exc).__name__}: {exc}"
-        log.error("graph capture failed; the %s runs eagerly", what, exc_info=True, extra={
-            "event": "graph_capture_failed", "what": what, "shape": str(key),
-            "reason": error})  # the traceback comes with exc_info, once
+        if trial:
+            log.info("trial capture of the %s failed", what, exc_info=True, extra={
+                "event": "graph_trial_capture_failed", "what": what, "shape": str(key),
+                "reason": error})
+        else:
+            log.error("graph capture failed; the %s runs eagerly", what, exc_info=True,
+                      extra={"event": "graph_capture_failed", "what": what,
+                             "shape": str(key), "reason": error})  # traceback: exc_info
     pool_bytes = 0
     if cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
     return graphs, error, pool_bytes
 

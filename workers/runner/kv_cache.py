@@ -10,8 +10,10 @@ over all layers; a block, that times `block_size`.
 The budget the blocks are bought from (`kv_budget`): `kv_cache_memory_bytes` when given;
 on the CPU otherwise a fixed 256 MiB; on CUDA otherwise `gpu_memory_utilization` of the
 device memory still free once the weights are loaded, less the activation peak of a forward
-at `max_num_batched_tokens` (measured by memory_profile.py). Captured graphs' memory comes
-out of whichever budget (`num_kv_blocks`' reserved_bytes).
+at `max_num_batched_tokens` (measured by memory_profile.py). Captured graphs' memory (the
+target's, and the draft head's loops) comes out of whichever budget, and on the device rule
+the draft head's weights too, loaded after the measurement (`num_kv_blocks`' reserved_bytes;
+spec/draft_budget.py).
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
                   reserved_bytes: int = 0, extra_elements_per_token: int = 0,
                   budget: KvBudget | None = None) -> int:
     """`config.num_kv_blocks` if set, else as many blocks as the budget holds after
-    `reserved_bytes` (captured graphs and their padding block, graphs.py). budget: None is
+    `reserved_bytes` (captured graphs and their padding block, graphs.py; the draft head's
+    weights and draft loops, spec/draft_budget.py). budget: None is
     `kv_budget(config)` (the configured bytes, or the CPU's default).
     extra_elements_per_token: another cache indexed by the same blocks (the EAGLE-3 head's
     K/V), in `dtype`, paid from the same budget."""
@@ -113,7 +116,8 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"{budget.source} gives a KV budget of {budget.num_bytes} bytes, "
                          f"which holds no KV block; one block of {config.block_size} tokens "
                          f"needs {block_bytes}"
-                         + (f" after {reserved_bytes} bytes for captured graphs"
+                         + (f" after {reserved_bytes} bytes reserved for captured graphs "
+                            "and the draft head"
                             if reserved_bytes else ""))
     return count
 

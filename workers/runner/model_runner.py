@@ -100,7 +100,11 @@ class ModelRunner:
     their memory comes out of the KV-cache budget, `kv_budget` (kv_cache.kv_budget: on CUDA
     profiled here, after the weights load; memory_profile.py).
     extra_kv_elements_per_token: a cache the caller allocates with `num_kv_blocks` blocks
-    (the draft head's K/V), paid from the same budget.
+    (the draft head's K/V), paid from the same budget. draft_weight_bytes: device memory the
+    caller takes after this runner is built (the draft head's weights), paid from a budget
+    profiled on CUDA only (a configured kv_cache_memory_bytes is the cache's alone);
+    draft_loop_bytes: graphs the caller captures over this runner (the draft loops), paid
+    from whichever budget, as the target's graphs are (spec/draft_budget.py measures both).
 
     With `config.tensor_parallel_size` > 1 the model is rank 0's shard behind a
     `DriverModel` (workers/parallel/driver.py), which runs every model call on the worker
@@ -114,7 +118,8 @@ class ModelRunner:
                  capture_layers: Sequence[int] = (),
                  make_linear: LinearFactory | None = None,
                  verify_shape: tuple[int, bool] | None = None,
-                 extra_kv_elements_per_token: int = 0) -> None:
+                 extra_kv_elements_per_token: int = 0, draft_weight_bytes: int = 0,
+                 draft_loop_bytes: int = 0) -> None:
         self.config = config
         self.model_config = (ModelConfig.from_dir(config.model_path) if model_config is None
                              else model_config)
@@ -141,15 +146,18 @@ class ModelRunner:
                                                                * rows_per_seq))
         shapes = graph_shapes(config.max_num_seqs, verify_shape) if config.graphs_enabled else ()
         failed: GraphRunner | None = None  # a trial capture that failed (logged)
-        reserved = 0
+        # What the draft head takes beside its K/V (spec/draft_budget.py): its weights when
+        # the budget is what the device had free before they were loaded, its graphs always.
+        reserved = (draft_loop_bytes if config.graphs_enabled else 0) + (
+            draft_weight_bytes if self.kv_budget.memory is not None else 0)
         if shapes and config.num_kv_blocks is None:
             # Measure the graphs' memory before sizing the cache: capture the largest shapes
             # over a scratch cache of two blocks (graph memory does not depend on its size).
             trial = capture_graphs(self.model, self.capture_layers, largest_shapes(shapes),
                                    self._allocate_kv(2), config.block_size, 1,
                                    self.longest_sequence)
-            reserved = trial.memory_bytes + kv_block_bytes(self.model_config,
-                                                           config.block_size, self.dtype)
+            reserved += trial.memory_bytes + kv_block_bytes(self.model_config,
+                                                            config.block_size, self.dtype)
             if trial.error is not None:
                 shapes, failed = (), trial  # status says why all is eager
             del trial

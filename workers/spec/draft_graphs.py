@@ -87,11 +87,12 @@ class DraftGraphs:
         self.replays: Counter[DraftShape] = Counter()
         self.num_eager = 0
 
-    def capture(self) -> None:
-        """Capture every shape, largest first (see graphs.capture_all for failures)."""
+    def capture(self, trial: bool = False) -> None:
+        """Capture every shape, largest first (see graphs.capture_all for failures and for
+        `trial`, a capture made only to measure `memory_bytes`)."""
         shapes = sorted(((b, w) for b in self.batch_sizes for w in self.widths), reverse=True)
         self.graphs, self.error, pool_bytes = capture_all(
-            shapes, self._bound_loop, self.device, "draft loop")
+            shapes, self._bound_loop, self.device, "draft loop", trial)
         static = (self.static.last_out, self.static.prefix_slots, self.static.prefix_ok,
                   self.static.roots, self.static.root_ids)
         self.memory_bytes = pool_bytes + sum(t.numel() * t.element_size() for t in static)

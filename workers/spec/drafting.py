@@ -214,36 +214,45 @@ class Drafter:
         return drafted, [caught_up.last_out, prefix_slots, ok, roots, root_ids]
 
     def draft_loop(self, inputs: DraftInputs) -> DraftOutputs:
-        """The device part of drafting: shapes fixed by the inputs' and no host reads, so
-        it can be captured (checks are left to the host: NaN flags [B] returned)."""
-        head, k = self.head, self.topk
-        last_out, roots = inputs.last_out, inputs.roots
-        batch = last_out.shape[0]
-        prefix = head.gather_prefix(self.draft_kv, inputs.prefix_slots)  # L rows per sequence
-        logp, ids = self._top(last_out)  # [B, K]
-        nan_rows = logp.isnan().any(dim=-1)
-        cands, frontier = start_tree(logp, ids, check=False)
-        hidden = last_out[:, None].expand(batch, k, -1)  # [B, K, H] inputs of depth-1 nodes
-        scratch: list[tuple[torch.Tensor, ...]] = []  # each level's keys, never paged
-        for step in range(1, self.num_steps):
-            embeds = head.embed_tokens(frontier.token_ids)  # [B, K, H]
-            positions = (roots + step - 1)[:, None].expand(batch, k)
-            bits = (frontier.scratch_masks[:, :, None]
-                    >> torch.arange(step * k, device=self.device)) & 1  # [B, K, step*K]
-            mask = torch.cat([inputs.prefix_ok[:, None].expand(batch, k, -1), bits.bool()],
-                             dim=2)  # [B, K, L + step*K]
-            out = head.draft_level(embeds, hidden, positions, prefix, scratch, mask)  # [B, K, H]
-            child_logp, child_ids = self._top(out)  # [B, K, K]
-            nan_rows = nan_rows | child_logp.isnan().flatten(1).any(dim=-1)
-            cands, frontier = expand_tree(cands, frontier, child_logp, child_ids, check=False)
-            hidden = out.gather(1, frontier.parent_slots[:, :, None].expand(-1, -1, out.shape[2]))
-        return build_tree(cands, inputs.root_ids, self.num_draft_tokens, check=False), nan_rows
+        """The device part of drafting (`draft_loop` over this drafter's head and cache)."""
+        return draft_loop(self.head, self.draft_kv, self.topk, self.num_steps,
+                          self.num_draft_tokens, inputs)
 
-    def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k log-probabilities and TARGET token ids of the head's prediction."""
-        logp = torch.log_softmax(self.head.logits(out).float(), dim=-1)
-        values, draft_ids = logp.topk(self.topk, dim=-1)
-        return values, self.head.to_target_ids(draft_ids)
+
+def draft_loop(head: Eagle3Head, draft_kv: torch.Tensor, topk: int, num_steps: int,
+               num_draft_tokens: int, inputs: DraftInputs) -> DraftOutputs:
+    """The device part of drafting: shapes fixed by the inputs' and no host reads, so it can
+    be captured (checks are left to the host: NaN flags [B] returned). draft_kv: the head's
+    paged cache (`DraftConfig.kv_layer_shape`), which `inputs.prefix_slots` index."""
+    k = topk
+    last_out, roots = inputs.last_out, inputs.roots
+    batch, device = last_out.shape[0], last_out.device
+    prefix = head.gather_prefix(draft_kv, inputs.prefix_slots)  # L rows per sequence
+    logp, ids = _top(head, topk, last_out)  # [B, K]
+    nan_rows = logp.isnan().any(dim=-1)
+    cands, frontier = start_tree(logp, ids, check=False)
+    hidden = last_out[:, None].expand(batch, k, -1)  # [B, K, H] inputs of depth-1 nodes
+    scratch: list[tuple[torch.Tensor, ...]] = []  # each level's keys, never paged
+    for step in range(1, num_steps):
+        embeds = head.embed_tokens(frontier.token_ids)  # [B, K, H]
+        positions = (roots + step - 1)[:, None].expand(batch, k)
+        bits = (frontier.scratch_masks[:, :, None]
+                >> torch.arange(step * k, device=device)) & 1  # [B, K, step*K]
+        mask = torch.cat([inputs.prefix_ok[:, None].expand(batch, k, -1), bits.bool()],
+                         dim=2)  # [B, K, L + step*K]
+        out = head.draft_level(embeds, hidden, positions, prefix, scratch, mask)  # [B, K, H]
+        child_logp, child_ids = _top(head, topk, out)  # [B, K, K]
+        nan_rows = nan_rows | child_logp.isnan().flatten(1).any(dim=-1)
+        cands, frontier = expand_tree(cands, frontier, child_logp, child_ids, check=False)
+        hidden = out.gather(1, frontier.parent_slots[:, :, None].expand(-1, -1, out.shape[2]))
+    return build_tree(cands, inputs.root_ids, num_draft_tokens, check=False), nan_rows
+
+
+def _top(head: Eagle3Head, topk: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probabilities and TARGET token ids of the head's prediction."""
+    logp = torch.log_softmax(head.logits(out).float(), dim=-1)
+    values, draft_ids = logp.topk(topk, dim=-1)
+    return values, head.to_target_ids(draft_ids)
 
 
 def _prefix(tables: torch.Tensor, roots: torch.Tensor, width: int, block_size: int
