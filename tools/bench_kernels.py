@@ -71,6 +71,13 @@ GEMM_SHAPES = {  # name: (K = in_features, N = out_features)
     "llama3.1-8b qkv fused 4096x6144": (4096, 6144),
     "llama3.1-8b gate_up fused 4096x28672": (4096, 28672),
 }
+# The shape sets of `--gemm-shapes`: every shape above, or Llama-3.1-8B's four linears as
+# specd runs them (q/k/v and gate/up fused).
+GEMM_SHAPE_SETS = {"all": tuple(GEMM_SHAPES),
+                   "llama3.1-8b": ("llama3.1-8b qkv fused 4096x6144", "llama3-8b qkv/o 4096x4096",
+                                   "llama3.1-8b gate_up fused 4096x28672",
+                                   "llama3-8b down 14336x4096")}
+GEMM_LAYOUTS = ("column_major", "checkpoint")
 GEMM_GROUP_SIZES = (32, 128)
 COPY_BYTES = 1 << 30  # per buffer: well past the 60 MB L2
 # The device's measured copy bandwidth (bytes read + written per second), set by
@@ -154,10 +161,10 @@ def _gemm_operands(k: int, n: int, m: int,
     return x, weight, packed, scale
 
 
-def bench_gemm(k: int, n: int, m: int,
-               group_size: int = GROUP_SIZE) -> dict[str, float | str | None]:
+def bench_gemm(k: int, n: int, m: int, group_size: int = GROUP_SIZE,
+               layouts: tuple[str, ...] = GEMM_LAYOUTS) -> dict[str, float | str | None]:
     """int4_us: N-contiguous weights as Int4Linear stores them; int4_kmajor_us: the
-    checkpoint's K-contiguous layout passed as is."""
+    checkpoint's K-contiguous layout passed as is (when "checkpoint" is in `layouts`)."""
     from specd.kernels.common import device_num_sms
     from specd.kernels.int4_gemm import choose_config, int4_gemm, int4_gemm_ref
     from specd.kernels.int4_layout import column_major
@@ -165,17 +172,19 @@ def bench_gemm(k: int, n: int, m: int,
     x, weight, packed_k, scale_k = _gemm_operands(k, n, m, group_size)
     packed, scale = column_major(packed_k), column_major(scale_k)
     ref = int4_gemm_ref(x, packed_k, scale_k, group_size)
-    for p, s in ((packed, scale), (packed_k, scale_k)):
+    operands = [(packed, scale)] + ([(packed_k, scale_k)] if "checkpoint" in layouts else [])
+    for p, s in operands:
         torch.testing.assert_close(int4_gemm(x, p, s, group_size).float(), ref.float(),
                                    rtol=2**-7, atol=1e-2)
     t_int4 = bench_ms(lambda: int4_gemm(x, packed, scale, group_size))
-    t_kmajor = bench_ms(lambda: int4_gemm(x, packed_k, scale_k, group_size))
+    t_kmajor = (bench_ms(lambda: int4_gemm(x, packed_k, scale_k, group_size))
+                if "checkpoint" in layouts else None)
     t_bf16 = bench_ms(lambda: torch.matmul(x, weight.t()))
     int4_bytes = n * k // 2 + scale.numel() * 2 + (m * k + m * n) * 2
     bf16_bytes = (n * k + m * k + m * n) * 2
     cfg = choose_config(m, n, k, group_size, device_num_sms(x.device))
     return {"m": m, "k": k, "n": n, "group_size": group_size, "int4_us": t_int4 * 1e3,
-            "int4_kmajor_us": t_kmajor * 1e3,
+            "int4_kmajor_us": None if t_kmajor is None else t_kmajor * 1e3,
             "bf16_us": t_bf16 * 1e3, "speedup": t_bf16 / t_int4,
             "int4_bw_frac": int4_bytes / (t_int4 * 1e-3) / PEAK_BYTES_PER_S,
             "bf16_bw_frac": bf16_bytes / (t_bf16 * 1e-3) / PEAK_BYTES_PER_S,
@@ -349,15 +358,23 @@ def run_mla(result: dict[str, Any], out: Path, quick: bool) -> None:
                                            "mla_bw_share", "mla_tflops"]), flush=True)
 
 
-def moe_weights(group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
-    """(Int4ExpertWeights, ExpertWeights in bf16) at Kimi-K2's shapes: random packed words
-    (every nibble uniform), scales in [0.001, 0.003); the bf16 baseline's own random
-    weights (timing only: 34 GB beside the INT4 9.5 GB)."""
+def moe_inter(tp: int) -> int:
+    """The expert intermediate width one rank holds under tensor parallelism of size `tp`
+    without expert parallelism (every expert, its width split: Kimi-K2 at TP8, 2048 / 8)."""
+    return MOE_INTER // tp
+
+
+def moe_weights(group_size: int = GROUP_SIZE, baseline: bool = True,
+                tp: int = 1) -> tuple[Any, Any]:
+    """(Int4ExpertWeights, ExpertWeights in bf16 or None) at Kimi-K2's shapes, one rank's
+    under tensor parallelism `tp`: random packed words (every nibble uniform), scales in
+    [0.001, 0.003); the bf16 baseline's own random weights (timing only: 34 GB beside the
+    INT4 9.5 GB at TP1)."""
     from specd.kernels.moe_w4a16 import Int4ExpertWeights
     from specd.workers.models.moe import ExpertWeights
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, moe_inter(tp)
 
     def packed(n: int, k: int) -> torch.Tensor:
         return torch.randint(-2**31, 2**31 - 1, (e, n, k // 8), dtype=torch.int32,
@@ -369,6 +386,8 @@ def moe_weights(group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
 
     int4 = Int4ExpertWeights(packed(2 * i, h), scale(2 * i, h), packed(h, i), scale(h, i),
                              group_size)
+    if not baseline:
+        return int4, None
     dense = ExpertWeights(
         torch.randn(e, 2 * i, h, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02,
         torch.randn(e, h, i, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02)
@@ -403,8 +422,11 @@ def _graph_ms(fn: Any) -> tuple[float | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"[:300]
 
 
-def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]:
-    """The fused INT4 MoE for m tokens against the bf16 `experts_forward` (see docstring)."""
+def bench_moe(m: int, int4: Any, int4_nmajor: Any | None, dense: Any | None,
+              tp: int = 1) -> dict[str, Any]:
+    """The fused INT4 MoE for m tokens (eagerly and replayed as a graph: the us per layer a
+    captured step pays), against the bf16 `experts_forward` and the other layout when given
+    (see docstring)."""
     from specd.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
     from specd.kernels.moe_w4a16 import (
         choose_moe_config,
@@ -413,6 +435,7 @@ def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]
     )
     from specd.workers.models.moe import experts_forward
 
+    inter = moe_inter(tp)
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, MOE_HIDDEN, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     ids, weights = _moe_routing(m)
@@ -420,64 +443,77 @@ def bench_moe(m: int, int4: Any, int4_nmajor: Any, dense: Any) -> dict[str, Any]
     ref = fused_moe_ref(x, ids, weights, int4)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7,
                                atol=2**-7 * float(ref.float().abs().max()))
-    cfg = choose_moe_config(m * MOE_TOP_K, MOE_EXPERTS, MOE_INTER, MOE_HIDDEN)
+    cfg = choose_moe_config(m * MOE_TOP_K, MOE_EXPERTS, inter, MOE_HIDDEN)
     t_moe = bench_ms(lambda: fused_moe(x, ids, weights, int4))
     t_graph, graph_error = _graph_ms(lambda: fused_moe(x, ids, weights, int4))
-    torch.testing.assert_close(fused_moe(x, ids, weights, int4_nmajor), out)
-    t_nmajor = bench_ms(lambda: fused_moe(x, ids, weights, int4_nmajor))
-    t_align = bench_ms(lambda: moe_align_block_size(ids, cfg.block_m, MOE_EXPERTS))
-    t_align_torch = bench_ms(lambda: moe_align_block_size_ref(ids, cfg.block_m, MOE_EXPERTS))
-    t_bf16 = bench_ms(lambda: experts_forward(x, ids, weights, dense))
+    row: dict[str, Any] = {"m": m, "tp": tp, "experts": MOE_EXPERTS, "inter": inter}
+    if int4_nmajor is not None:
+        torch.testing.assert_close(fused_moe(x, ids, weights, int4_nmajor), out)
+        row["moe_nmajor_us"] = bench_ms(lambda: fused_moe(x, ids, weights, int4_nmajor)) * 1e3
+        row["align_us"] = bench_ms(
+            lambda: moe_align_block_size(ids, cfg.block_m, MOE_EXPERTS)) * 1e3
+        row["align_torch_us"] = bench_ms(
+            lambda: moe_align_block_size_ref(ids, cfg.block_m, MOE_EXPERTS)) * 1e3
     touched = int(ids.unique().numel())
-    hi = MOE_HIDDEN * MOE_INTER
+    hi = MOE_HIDDEN * inter
     pairs = m * MOE_TOP_K
-    buffers = (2 * m * MOE_HIDDEN + 2 * pairs * (MOE_INTER + MOE_HIDDEN)) * 2  # x, out, h, y
+    buffers = (2 * m * MOE_HIDDEN + 2 * pairs * (inter + MOE_HIDDEN)) * 2  # x, out, h, y
     int4_bytes = touched * (3 * hi // 2 + 3 * hi // GROUP_SIZE * 2) + buffers
     bf16_bytes = touched * 3 * hi * 2 + buffers
     bps = MEASURED_BYTES_PER_S or PEAK_BYTES_PER_S
-    return {"m": m, "experts_touched": touched, "moe_us": t_moe * 1e3,
-            "moe_graph_us": None if t_graph is None else t_graph * 1e3,
-            "graph_error": graph_error, "moe_nmajor_us": t_nmajor * 1e3,
-            "align_us": t_align * 1e3, "align_torch_us": t_align_torch * 1e3,
-            "bf16_us": t_bf16 * 1e3,
-            "speedup": t_bf16 / t_moe, "moe_floor_us": int4_bytes / bps * 1e6,
-            "bf16_floor_us": bf16_bytes / bps * 1e6,
-            "moe_bw_frac": int4_bytes / (t_moe * 1e-3) / PEAK_BYTES_PER_S,
-            "moe_bw_share": _bw_share(int4_bytes, t_moe),
-            "moe_graph_bw_share": None if t_graph is None else _bw_share(int4_bytes, t_graph),
-            "config": f"bm{cfg.block_m} bn{cfg.block_n}/{cfg.block_n_down} "
-                      f"bk{cfg.block_k}/{cfg.block_k_down} w{cfg.num_warps} s{cfg.num_stages}"}
+    if dense is not None:
+        t_bf16 = bench_ms(lambda: experts_forward(x, ids, weights, dense))
+        row.update(bf16_us=t_bf16 * 1e3, speedup=t_bf16 / t_moe)
+    row.update({
+        "experts_touched": touched, "moe_us": t_moe * 1e3,
+        "moe_graph_us": None if t_graph is None else t_graph * 1e3,
+        "graph_error": graph_error, "moe_floor_us": int4_bytes / bps * 1e6,
+        "bf16_floor_us": bf16_bytes / bps * 1e6,
+        "moe_bw_frac": int4_bytes / (t_moe * 1e-3) / PEAK_BYTES_PER_S,
+        "moe_bw_share": _bw_share(int4_bytes, t_moe),
+        "moe_graph_bw_share": None if t_graph is None else _bw_share(int4_bytes, t_graph),
+        "config": f"bm{cfg.block_m} bn{cfg.block_n}/{cfg.block_n_down} "
+                  f"bk{cfg.block_k}/{cfg.block_k_down} w{cfg.num_warps} s{cfg.num_stages}"})
+    return row
 
 
-def run_moe(result: dict[str, Any], out: Path, quick: bool) -> None:
-    """The fused-MoE part: every M, the JSON rewritten after each."""
-    int4, dense = moe_weights()
-    int4_nmajor = n_major_experts(int4)
+def run_moe(result: dict[str, Any], out: Path, quick: bool, extras: bool = True, tp: int = 1,
+            m_values: tuple[int, ...] = MOE_M) -> None:
+    """The fused-MoE part: every M, the JSON rewritten after each. extras: the bf16
+    baseline, the output-major layout and the aligners alone (several more timings each);
+    tp: one rank's experts under tensor parallelism of that size."""
+    int4, dense = moe_weights(baseline=extras, tp=tp)
+    int4_nmajor = n_major_experts(int4) if extras else None
     result["moe"] = []
-    for m in (1, 16, 64) if quick else MOE_M:
-        result["moe"].append(bench_moe(m, int4, int4_nmajor, dense))
+    for m in (1, 16, 64) if quick else m_values:
+        result["moe"].append(bench_moe(m, int4, int4_nmajor, dense, tp))
         _save(out, result)
     del int4, int4_nmajor, dense
     torch.cuda.empty_cache()
-    print(_table(result["moe"], ["m", "experts_touched", "moe_us", "moe_graph_us",
-                                 "moe_nmajor_us", "align_us", "align_torch_us",
-                                 "bf16_us", "speedup", "moe_floor_us", "bf16_floor_us",
-                                 "moe_bw_share", "config"]), flush=True)
+    cols = ["m", "tp", "experts_touched", "moe_us", "moe_graph_us", "moe_floor_us",
+            "moe_graph_bw_share", "config"]
+    if extras:
+        cols[6:6] = ["moe_nmajor_us", "align_us", "align_torch_us", "bf16_us", "speedup",
+                     "bf16_floor_us"]
+    print(_table(result["moe"], cols), flush=True)
 
 
 def run_gemm(result: dict[str, Any], out: Path, quick: bool, group_sizes: list[int],
-             m_values: list[int]) -> None:
+             m_values: list[int], shapes: tuple[str, ...] = tuple(GEMM_SHAPES),
+             layouts: tuple[str, ...] = GEMM_LAYOUTS) -> None:
     """The INT4 GEMM part: every shape at every M and group size, the JSON rewritten after
     each shape."""
-    shapes = dict(list(GEMM_SHAPES.items())[:2]) if quick else GEMM_SHAPES
+    names = shapes[:2] if quick else shapes
     for group_size in group_sizes:
-        for name, (k, n) in shapes.items():
+        for name in names:
+            k, n = GEMM_SHAPES[name]
             for m in (1, 16, 64) if quick else m_values:
-                result["gemm"].append({"shape": name, **bench_gemm(k, n, m, group_size)})
+                result["gemm"].append({"shape": name, **bench_gemm(k, n, m, group_size,
+                                                                   layouts)})
             _save(out, result)
     print(_table(result["gemm"], ["shape", "group_size", "m", "int4_us", "int4_kmajor_us",
-                                  "bf16_us", "speedup", "int4_bw_share", "bf16_bw_share",
-                                  "config"]), flush=True)
+                                  "bf16_us", "speedup", "int4_bw_share", "int4_bw_frac",
+                                  "bf16_bw_share", "config"]), flush=True)
 
 
 def run_tree(result: dict[str, Any], out: Path, quick: bool) -> None:
@@ -524,6 +560,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 r["int4_bw_share"] for r in rows)
             summary[f"int4_g{group_size}_m<=16_median_speedup_vs_bf16"] = sorted(
                 r["speedup"] for r in rows)[len(rows) // 2]
+    if result["gemm"]:
+        summary["gemm_summary"] = gemm_summary(result["gemm"])
+    if result.get("moe"):
+        summary["moe_summary"] = moe_summary(result["moe"])
     for part, key in (("tree_attention", "tree_bw_share"), ("mla_attention", "mla_bw_share"),
                       ("moe", "moe_bw_share")):
         shares = [r[key] for r in result.get(part, []) if r.get(key) is not None]
@@ -536,15 +576,101 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def gemm_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per group size and M, over the shapes: the median and the worst share of the HBM
+    bandwidth the INT4 GEMM and the bf16 GEMM reach, of the measured copy bandwidth
+    (`*_share`, when measured) and of the nominal 4.8 TB/s (`*_frac`), and the median
+    speed-up over bf16."""
+    out = []
+    for group_size, m in sorted({(r["group_size"], r["m"]) for r in rows}):
+        sel = [r for r in rows if r["group_size"] == group_size and r["m"] == m]
+        entry: dict[str, Any] = {"group_size": group_size, "m": m, "shapes": len(sel),
+                                 "median_speedup": _median([r["speedup"] for r in sel])}
+        for key in ("int4_bw_share", "int4_bw_frac", "bf16_bw_share", "bf16_bw_frac"):
+            values = [r[key] for r in sel if r.get(key) is not None]
+            if values:
+                entry[f"{key}_median"] = _median(values)
+                entry[f"{key}_worst"] = min(values)
+        out.append(entry)
+    return out
+
+
+def moe_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per token count: us per MoE layer (graph replay when captured, else eager), the floor
+    (the touched experts' bytes at the measured bandwidth) and their ratio."""
+    out = []
+    for r in rows:
+        us = r["moe_graph_us"] if r.get("moe_graph_us") is not None else r["moe_us"]
+        out.append({"m": r["m"], "tp": r.get("tp", 1), "us_per_layer": us,
+                    "graph": r.get("moe_graph_us") is not None,
+                    "floor_us": r["moe_floor_us"], "floor_share": r["moe_floor_us"] / us})
+    return out
+
+
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    widths = [max(len(c), *(len(fmt(r.get(c, "-"))) for r in rows)) for c in cols]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths, strict=True))
+    lines += ["  ".join(fmt(r.get(c, "-")).rjust(w) for c, w in zip(cols, widths, strict=True))
               for r in rows]
     return "\n".join(lines)
+
+
+def plan(parts: list[str], group_sizes: list[int], m_values: list[int],
+         shapes: tuple[str, ...], layouts: tuple[str, ...], moe_tp: int,
+         moe_m: tuple[int, ...], moe_extras: bool, quick: bool) -> dict[str, Any]:
+    """What the parts compile and time (an estimate tools/gpu_check.sh budgets): distinct
+    launch configurations (each a Triton compile on a cold cache) and `do_bench` calls."""
+    from specd.kernels.int4_gemm import choose_config
+    from specd.kernels.moe_align import ALIGN_MAX_PAIRS
+    from specd.kernels.moe_w4a16 import choose_moe_config
+
+    compiles: set[tuple[Any, ...]] = set()
+    benches = engines = 0
+    figures: list[str] = []
+    for part in parts:
+        if part == "bandwidth":
+            compiles.add(("copy",))
+            benches += 2
+            figures.append("bandwidth")
+        elif part == "gemm":
+            names = shapes[:2] if quick else shapes
+            ms = (1, 16, 64) if quick else m_values
+            for g in group_sizes:
+                for name in names:
+                    k, n = GEMM_SHAPES[name]
+                    for m in ms:
+                        cfg = choose_config(m, n, k, g, 132)
+                        compiles.update(("gemm", layout, g, cfg) for layout in layouts)
+                        benches += len(layouts) + 1
+            figures.append("gemm_summary")
+        elif part == "moe":
+            for m in (1, 16, 64) if quick else moe_m:
+                cfg = choose_moe_config(m * MOE_TOP_K, MOE_EXPERTS, moe_inter(moe_tp),
+                                        MOE_HIDDEN)
+                compiles.update({("moe up", cfg), ("moe down", cfg)})
+                if m * MOE_TOP_K <= ALIGN_MAX_PAIRS:
+                    compiles.add(("align", cfg.block_m, max(16, 1 << (m * MOE_TOP_K - 1)
+                                                            .bit_length())))
+                benches += 2 + (5 if moe_extras else 0)
+            figures.append("moe_summary")
+        elif part in ("tree", "mla"):
+            cases = len(TREE_T) * len(TREE_PREFIX) if part == "tree" else (
+                len(MLA_HEADS) * len(MLA_T) * len(MLA_CONTEXT))
+            compiles.update((part, i) for i in range(cases // 2))  # splits repeat
+            benches += 2 * cases
+        elif part == "host":
+            engines += 2
+    return {"compiles": len(compiles), "benches": benches, "engine_builds": engines,
+            "figures": figures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,6 +688,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="INT4 group sizes of the GEMM part (32, 64, 128)")
     parser.add_argument("--gemm-m", default=",".join(map(str, GEMM_M)),
                         help="rows M of the GEMM part")
+    parser.add_argument("--gemm-shapes", choices=sorted(GEMM_SHAPE_SETS), default="all",
+                        help="the GEMM part's shapes (llama3.1-8b: its four linears)")
+    parser.add_argument("--layouts", default=",".join(GEMM_LAYOUTS),
+                        help="weight layouts the GEMM part times (column_major: as Int4Linear "
+                             "stores them; checkpoint: K-contiguous)")
+    parser.add_argument("--moe-tp", type=int, default=1,
+                        help="time one rank's experts under tensor parallelism of this size "
+                             "(every expert, its width split: 8 for Kimi-K2 on 8 GPUs)")
+    parser.add_argument("--moe-m", default=",".join(map(str, MOE_M)),
+                        help="token counts of the MoE part")
+    parser.add_argument("--moe-extras", action=argparse.BooleanOptionalAction, default=True,
+                        help="the MoE part's bf16 baseline, other layout and aligners")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the compiles and timings the run makes (JSON) and exit")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -571,6 +711,18 @@ def main(argv: list[str] | None = None) -> int:
     if any(g not in (32, 64, 128) for g in group_sizes):
         parser.error(f"--group-sizes must be among 32, 64, 128, got {args.group_sizes}")
     m_values = [int(m) for m in args.gemm_m.split(",")]
+    layouts = tuple(x for x in args.layouts.split(",") if x)
+    if not layouts or set(layouts) - set(GEMM_LAYOUTS):
+        parser.error(f"--layouts must be among {', '.join(GEMM_LAYOUTS)}, got {args.layouts}")
+    moe_m = tuple(int(m) for m in args.moe_m.split(","))
+    if MOE_INTER % args.moe_tp or (MOE_INTER // args.moe_tp) % GROUP_SIZE:
+        parser.error(f"--moe-tp {args.moe_tp} does not split {MOE_INTER} into groups of "
+                     f"{GROUP_SIZE}")
+    shapes = GEMM_SHAPE_SETS[args.gemm_shapes]
+    if args.plan:
+        print(json.dumps(plan(parts, group_sizes, m_values, shapes, layouts, args.moe_tp,
+                              moe_m, args.moe_extras, args.quick)))
+        return 0
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the kernels' CPU path is the torch "
               "reference, which is not what this measures); none is available", file=sys.stderr)
@@ -595,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"TB/s ({result['bandwidth']['share_of_nominal']:.0%} of the nominal "
                   f"{PEAK_BYTES_PER_S / 1e12:.1f} TB/s)", flush=True)
         elif part == "gemm":
-            run_gemm(result, args.out, args.quick, group_sizes, m_values)
+            run_gemm(result, args.out, args.quick, group_sizes, m_values, shapes, layouts)
         elif part == "tree":
             run_tree(result, args.out, args.quick)
         elif part == "mla":
@@ -603,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "host":
             run_host(result, args.out)
         elif part == "moe":
-            run_moe(result, args.out, args.quick)
+            run_moe(result, args.out, args.quick, args.moe_extras, args.moe_tp, moe_m)
         result["summary"] = summarize(result)
         _save(args.out, result)
     print("against the limit:", json.dumps(result.get("summary", {}), indent=2), flush=True)

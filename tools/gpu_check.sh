@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one device check of specd on a bare GPU machine (an H200: Python 3.12, torch, triton,
-# transformers; no network), in under 8 minutes. Run from anywhere:
+# transformers; no network; a cold Triton cache), in at most 420 seconds. Run from anywhere:
 #
-#   OUT=/some/dir bash tools/gpu_check.sh [--quick] [--fail-fast]
+#   OUT=/some/dir bash tools/gpu_check.sh [--fail-fast]
 #   bash tools/gpu_check.sh --dry-run      # any machine, no GPU (CI runs it): checks the plan
 #
 # Set-up, each step fatal (set -euo pipefail; the first failure stops the script and names
@@ -16,44 +16,53 @@
 #            checkout's own specd/ folder (the root package alone) never shadows it
 #   imports  imports every module specd, its tools and the GPU tests need, printing versions
 #   device   nvidia-smi, torch and triton versions; a CUDA device is required
-# Measurements, most valuable first, each under its own time limit (`timeout`), each writing
-# its JSON into $OUT as it goes (the tools rewrite their JSON after every part, so a step cut
-# short keeps what it measured):
-#   gpu-tests  pytest -m gpu on the GPU test files          (log only)
-#   kernels    tools/bench_kernels.py: copy bandwidth, INT4 GEMM (g32, g128) and attention
-#              kernels as shares of it, the host's share of a batch-1 step
-#   overlap    tools/bench_overlap.py: overlap scheduling x CUDA graphs
-#   spec       tools/bench_spec.py: acceptance, batch-1 speedup, throughput by mode
-#   shapes     tools/bench_shapes.py: Llama-3.1-8B INT4 + EAGLE-3 shapes, where speculation
-#              stops paying by batch size
-#   engine     tools/bench_engine.py: in-process engine vs transformers
-#   daemon     tools/bench_daemon.py: daemon overhead
+# Measurements, most valuable first, each under its own time limit (`timeout`) and verbose,
+# each writing its JSON into $OUT as it goes (rewritten after every part, so a step cut short
+# keeps what it measured). One Triton cache serves every step, so a kernel one step compiled
+# is not compiled again by the next (the GEMM configurations of the Llama shapes, the
+# fixture's attention):
+#   gpu-tests  pytest -v over a trimmed list of GPU tests (kernels at production sizes, graphs
+#              and overlap, the KV budget, float32 on CUDA, INT4 on CUDA), each test limited
+#              to $TEST_TIMEOUT_S (tests/conftest.py), outcomes in gpu_tests.json
+#   kernels    tools/bench_kernels.py: copy bandwidth; the INT4 GEMV/GEMM at group 32 on
+#              Llama-3.1-8B's four linears at M = 1, 4, 16, 64 against bf16 matmul, as the
+#              median and worst share of measured and nominal HBM bandwidth per M; the fused
+#              INT4 MoE at one TP8 rank's Kimi-K2 shapes for 1-64 tokens, us per layer
+#   host       tools/bench_host.py: an INT4 Llama-3.1-8B-shaped checkpoint and its EAGLE-3
+#              head written at start (random, generated on the GPU), one EngineCore over
+#              them: host us per step at batch 1 and 8, plain and speculative, and the batch-1
+#              speculative speed-up from the engine's own draft loop
+#   daemon     tools/bench_daemon.py: daemon overhead against the in-process engine
 #   serving    tools/bench_serving.py: the serving sweep (JSON copied into $OUT)
 # A failed or timed-out measurement is reported at once by name and the next one runs (the
 # machine is lent for minutes: one broken benchmark must not cost the others' figures); the
-# script then exits 1 naming them. --fail-fast stops at the first one instead.
+# script then exits 1 naming them. --fail-fast stops at the first one instead. A step that
+# would start with less than 15 s of the budget left is skipped and named.
 #
-# $OUT (default bench_out/gpu_check) receives at most 8 files: gpu_check.log and one JSON
-# per measurement. The step limits and the set-up's add up to at most $BUDGET_S seconds.
+# $OUT (default bench_out/gpu_check) receives at most 8 files: gpu_check.log, gpu_check.json
+# (each step's limit, estimate, exit, seconds and figures, rewritten after every step) and one
+# JSON per measurement. The step limits and the set-up's add up to at most $BUDGET_S seconds.
 #
 # --dry-run runs no measurement: it checks that the carried wheels are exactly
 # fetch_gpu_wheels.sh's list, for CPython 3.12 on manylinux x86_64, with every requirement met
 # by the folder or the GPU image; that the link farm imports specd; that every command of
 # the plan parses its flags (each tool's own argparse or click parser, the private daemon's
 # `specd` flags included), passes --device cuda where the tool has a device, and writes under
-# $OUT; that every test file it names exists and holds GPU tests; and that the files and the
-# time limits fit. Any problem fails it (exit 1).
+# $OUT; that every test file it names exists and holds GPU tests; that each step's estimate
+# (from its counts: the tests it collects, or the compiles, timings, engine builds and
+# checkpoint bytes its tool's --plan reports, or the counts the plan declares, times the
+# per-item costs below) fits its limit, and the limits the budget; that each step's figures
+# are those its tool says it writes; and that the files fit. It prints the plan as a table.
+# Any problem fails it (exit 1).
 set -Eeuo pipefail
 
-usage() { sed -n '2,44p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,53p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 DRY_RUN=0
-QUICK=0
 FAIL_FAST=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
-        --quick) QUICK=1 ;;
         --fail-fast) FAIL_FAST=1 ;;
         -h | --help) usage; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -65,20 +74,28 @@ ROOT=${SPECD_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 cd "$ROOT"
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-tools/gpu_wheels}
-BUDGET_S=470           # every limit below added up: under the 8-minute target
-SETUP_CAPS_S=60        # wheels 15 + imports 30 + device 15
+BUDGET_S=420           # every limit below added up: the run's 7 minutes
+SETUP_CAPS_S=60        # wheels 10 + imports 40 (about 10 on the H200; a loaded CPU needs more) + device 10
+TEST_TIMEOUT_S=60      # one GPU test (setup and call each), then the next runs
 MAX_OUT_FILES=8        # what a device run brings back
+# What one item costs on the H200, for the dry run's estimates (seconds): a process's imports
+# (torch, triton, specd), a cold Triton compile (0.5-1.5 s each on an idle host: the worst),
+# a `do_bench` timing, building a fixture engine on the GPU (load, profile, graph capture),
+# one engine step, one GPU test (its engine builds and small compiles), a GB of checkpoint
+# generated, written and loaded.
+COSTS="import_s=12 compile_s=1.5 bench_s=0.3 engine_s=6 step_s=0.02 test_s=4 gb_s=4"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specd_gpu_check.XXXXXX")
 SITE=$WORK/site        # the carried wheels, installed
 SRC=$WORK/src          # the specd link farm
 SCRATCH=$WORK/scratch  # tool outputs that are not copied into $OUT whole
 PLAN=$WORK/plan        # the dry run's record of each planned command
+RESULTS=$WORK/results  # one line per finished step, for gpu_check.json
 if [ "$DRY_RUN" = 1 ]; then
     OUT=$WORK/out
 else
     OUT=${OUT:-bench_out/gpu_check}
 fi
-mkdir -p "$OUT" "$SITE" "$SRC" "$SCRATCH" "$PLAN"
+mkdir -p "$OUT" "$SITE" "$SRC" "$SCRATCH" "$PLAN" "$RESULTS"
 OUT=$(cd "$OUT" && pwd)
 LOG=$OUT/gpu_check.log
 : >"$LOG"
@@ -92,48 +109,80 @@ trap 'echo "gpu_check: FAILED at step \"$STEP\" (exit $?, line $LINENO); log: $L
 
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # tests/conftest.py turns the interpreter on unless told otherwise
+export TRITON_CACHE_DIR=$WORK/triton  # one cache for every step: compiled once per run
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# Read by tests/conftest.py in the gpu-tests step: the limit per test and its JSON report.
+export SPECD_TEST_TIMEOUT_S=$TEST_TIMEOUT_S SPECD_TEST_REPORT=$OUT/gpu_tests.json
 
 say() { printf '== %s (%ss)\n' "$*" "$(($(date +%s) - START))" | tee -a "$LOG"; }
 die() { echo "gpu_check: FAILED at step \"$STEP\": $*" | tee -a "$LOG" >&2; trap - ERR; exit 1; }
 elapsed() { echo $(($(date +%s) - START)); }
 
 # ----------------------------------------------------------------------------- the plan
-# step NAME LIMIT_S OUTPUT -- COMMAND...: one measurement. OUTPUT is the file it leaves in
-# $OUT ("-": none). The dry run records the command instead of running it.
+# step NAME LIMIT_S OUTPUT FIGURES COUNTS -- COMMAND...: one measurement. OUTPUT is the file it
+# leaves in $OUT ("-": none); FIGURES, comma-separated, what it measures (a tool with --plan
+# must say the same); COUNTS ("-": none) the items the dry run's estimate counts where the
+# command cannot tell (key=value,...: engine_builds, benches, compiles, fixed_s). The dry run
+# records the command instead of running it.
 step() {
-    local name=$1 cap=$2 output=$3
-    shift 4
+    local name=$1 cap=$2 output=$3 figures=$4 counts=$5
+    shift 6
     STEP_COUNT=$((STEP_COUNT + 1))
     if [ "$DRY_RUN" = 1 ]; then
-        printf '%s\0' "$name" "$cap" "$output" "$@" >"$PLAN/$(printf '%02d' "$STEP_COUNT")"
+        printf '%s\0' "$name" "$cap" "$output" "$figures" "$counts" "$@" \
+            >"$PLAN/$(printf '%02d' "$STEP_COUNT")"
         return 0
     fi
     STEP=$name
-    local left limit rc=0
+    local left limit rc=0 began status
     left=$((BUDGET_S - $(elapsed)))
     if [ "$left" -lt 15 ]; then
         say "skip $name: ${left}s of the ${BUDGET_S}s budget left"
         SKIPPED+=("$name")
+        record "$name" "$cap" skipped 0 0 "$output" "$figures"
         return 0
     fi
     limit=$((cap < left ? cap : left))
     say "$name (limit ${limit}s)"
     echo "\$ $*" >>"$LOG"
+    began=$(date +%s)
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || rc=$?
     if [ "$rc" -eq 0 ]; then
+        status=ok
         say "$name: ok$([ "$output" = - ] || echo ", wrote $output")"
-        return 0
-    fi
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        status=timed-out
         say "$name: TIMED OUT after ${limit}s (what it wrote so far is kept)"
     else
+        status=failed
         say "$name: FAILED (exit $rc)"
     fi
-    FAILED+=("$name (exit $rc)")
-    if [ "$FAIL_FAST" = 1 ]; then
-        die "$name exited $rc (--fail-fast)"
+    record "$name" "$cap" "$status" "$rc" "$(($(date +%s) - began))" "$output" "$figures"
+    if [ "$rc" -ne 0 ]; then
+        FAILED+=("$name (exit $rc)")
+        if [ "$FAIL_FAST" = 1 ]; then
+            die "$name exited $rc (--fail-fast)"
+        fi
     fi
+}
+
+# record NAME CAP STATUS RC SECONDS OUTPUT FIGURES: one finished step, and gpu_check.json
+# rewritten from every step so far (a run cut short keeps the steps it finished).
+record() {
+    printf '{"name": "%s", "limit_s": %s, "status": "%s", "exit": %s, "seconds": %s, ' \
+        "$1" "$2" "$3" "$4" "$5" >"$RESULTS/$(printf '%02d' "$STEP_COUNT")"
+    printf '"output": "%s", "figures": "%s"}\n' "$6" "$7" >>"$RESULTS/$(printf '%02d' \
+        "$STEP_COUNT")"
+    {
+        printf '{"budget_s": %s, "elapsed_s": %s, "steps": [\n' "$BUDGET_S" "$(elapsed)"
+        local first=1 f
+        for f in "$RESULTS"/*; do
+            [ "$first" = 1 ] || printf ',\n'
+            first=0
+            tr -d '\n' <"$f"
+        done
+        printf '\n]}\n'
+    } >"$OUT/gpu_check.json"
 }
 
 # collect SRC NAME: copy a tool's file from the scratch folder into $OUT (when it exists).
@@ -143,34 +192,46 @@ collect() {
     fi
 }
 
+# The trimmed GPU tests: production-size kernels (a few M per branch, not every M), graphs
+# and overlap against eager, the KV budget, float32 and INT4 on CUDA. Each engine test builds
+# fixture engines in seconds; the list is sized to the step's limit (the dry run checks it).
+GPU_TESTS=(
+    "tests/kernels/test_kernels_gpu.py::test_int4_gemm_matches_reference_on_gpu[column_major-4096-14336-32-1]"
+    "tests/kernels/test_kernels_gpu.py::test_int4_gemm_matches_reference_on_gpu[column_major-4096-14336-32-17]"
+    "tests/kernels/test_kernels_gpu.py::test_int4_gemm_matches_reference_on_gpu[column_major-4096-14336-32-65]"
+    "tests/kernels/test_kernels_gpu.py::test_int4_gemm_matches_reference_on_gpu[checkpoint-7168-2048-32-1]"
+    "tests/kernels/test_kernels_gpu.py::test_tree_attention_matches_reference_on_gpu[None]"
+    "tests/kernels/test_kernels_gpu.py::test_tree_attention_matches_reference_on_gpu[4]"
+    "tests/kernels/test_moe_w4a16.py::test_kernel_matches_reference_on_gpu[32-True-1]"
+    "tests/kernels/test_moe_w4a16.py::test_kernel_matches_reference_on_gpu[32-True-64]"
+    "tests/integration/test_graphs.py::test_cuda_graphs_give_the_eager_output_at_captured_sizes"
+    "tests/integration/test_graphs.py::test_a_failed_cuda_capture_is_reported"
+    "tests/integration/test_overlap.py::test_overlap_on_cuda_gives_the_whole_step_output[chain]"
+    "tests/integration/test_overlap.py::test_overlap_on_cuda_gives_the_whole_step_output[tree]"
+    "tests/integration/test_kv_budget_gpu.py"
+    "tests/integration/test_float32_cuda.py"
+    "tests/integration/test_int4_model.py::test_int4_model_on_cuda_matches_the_cpu_path[llama]"
+)
+
 plan() {
-    local kernels_args=() shapes_args=()
-    if [ "$QUICK" = 1 ]; then
-        kernels_args=(--quick)
-        shapes_args=(--batch-sizes "1,8,64" --tokens "1,6,16")
-    fi
     # pytest puts the checkout root first on sys.path (pyproject.toml's pythonpath) for the
     # tests' `tests.*` and `tools.*` imports; specd then comes from the checkout's specd/,
     # whose __init__ maps the subpackages onto the same folders as the link farm.
-    step gpu-tests 80 - -- "$PY" -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider \
-        tests/kernels/test_kernels_gpu.py tests/integration/test_graphs.py \
-        tests/integration/test_overlap.py tests/integration/test_int4_model.py \
-        tests/integration/test_kv_budget_gpu.py tests/integration/test_tensor_parallel_gpu.py
-    step kernels 100 bench_kernels.json -- "$PY" -m tools.bench_kernels \
-        --out "$OUT/bench_kernels.json" --group-sizes 32,128 "${kernels_args[@]}"
-    step overlap 40 bench_overlap.json -- "$PY" -m tools.bench_overlap --device cuda \
-        --batch-sizes 1,8 --max-tokens 32 --out "$OUT/bench_overlap.json"
-    step spec 35 bench_spec.json -- "$PY" -m tools.bench_spec --device cuda --repeats 1 \
-        --concurrency 1 16 64 --out "$OUT/bench_spec.json"
-    step shapes 70 bench_shapes.json -- "$PY" -m tools.bench_shapes --device cuda \
-        --out "$OUT/bench_shapes.json" "${shapes_args[@]}"
-    step engine 20 bench_engine.json -- "$PY" -m tools.bench_engine --device cuda --rounds 1 \
-        --out "$OUT/bench_engine.json"
-    step daemon 20 bench_daemon.json -- "$PY" -m tools.bench_daemon --device cuda --repeats 1 \
-        --out "$OUT/bench_daemon.json"
-    step serving 35 bench_serving.json -- "$PY" -m tools.bench_serving \
-        --daemon-args "--device cuda" --no-baseline --modes off,on --concurrency 1,16 \
-        --max-tokens 64 --paired-cycles 0 --no-plots --out-dir "$SCRATCH/serving"
+    step gpu-tests 100 gpu_tests.json gpu_tests - -- "$PY" -m pytest -v -m gpu -rfEs \
+        --tb=short -p no:cacheprovider "${GPU_TESTS[@]}"
+    step kernels 70 bench_kernels.json bandwidth,gemm_summary,moe_summary - -- \
+        "$PY" -m tools.bench_kernels --out "$OUT/bench_kernels.json" \
+        --parts bandwidth,gemm,moe --group-sizes 32 --gemm-m 1,4,16,64 \
+        --gemm-shapes llama3.1-8b --layouts column_major --moe-tp 8 --no-moe-extras
+    step host 120 bench_host.json host_us_per_step,step_us,host_share,speedup_bs1 - -- \
+        "$PY" -m tools.bench_host --device cuda --out "$OUT/bench_host.json" \
+        --batch-sizes 1,8 --steps 32 --group-size 32 --work "$SCRATCH/host"
+    step daemon 30 bench_daemon.json daemon_overhead engine_builds=2,fixed_s=5 -- \
+        "$PY" -m tools.bench_daemon --device cuda --repeats 1 --out "$OUT/bench_daemon.json"
+    step serving 40 bench_serving.json serving_sweep engine_builds=1,fixed_s=20 -- \
+        "$PY" -m tools.bench_serving --daemon-args "--device cuda" --no-baseline \
+        --modes off,on --concurrency 1,16 --max-tokens 64 --paired-cycles 0 \
+        --no-plots --out-dir "$SCRATCH/serving"
     collect "$SCRATCH/serving/bench_serving.json" bench_serving.json
 }
 
@@ -238,7 +299,7 @@ setup() {
         say "wheels: installing $WHEELS into $SITE"
         compgen -G "$WHEELS/*.whl" >/dev/null || die "no wheels in $WHEELS: run" \
             "'bash tools/fetch_gpu_wheels.sh' where pip reaches PyPI (or WHEELS=none)"
-        timeout 15 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        timeout 10 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target "$SITE" "$WHEELS"/*.whl 2>&1 | tee -a "$LOG"
     fi
 
@@ -249,7 +310,7 @@ setup() {
 
     STEP=imports
     say "imports"
-    timeout 30 "$PY" "$WORK/import_check.py" "$SRC" 2>&1 | tee -a "$LOG"
+    timeout 40 "$PY" "$WORK/import_check.py" "$SRC" 2>&1 | tee -a "$LOG"
 
     STEP=device
     say "device"
@@ -257,7 +318,7 @@ setup() {
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
             2>&1 | tee -a "$LOG" || true
     fi
-    timeout 15 "$PY" -c '
+    timeout 10 "$PY" -c '
 import sys, torch, triton
 print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)
 if not torch.cuda.is_available():
@@ -277,7 +338,8 @@ dry_run() {
     local problems=0
     PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 TRITON_INTERPRET=1 \
         "$PY" - "$ROOT" "$PLAN" "$OUT" "$SCRATCH" "$WHEELS" "$WORK/wheel_list" "$SRC" \
-        "$BUDGET_S" "$SETUP_CAPS_S" "$MAX_OUT_FILES" <<'PYEOF' 2>&1 | tee -a "$LOG" || problems=$?
+        "$BUDGET_S" "$SETUP_CAPS_S" "$MAX_OUT_FILES" "$COSTS" <<'PYEOF' 2>&1 | tee -a "$LOG" \
+        || problems=$?
 import argparse
 import contextlib
 import email.parser
@@ -293,7 +355,8 @@ import zipfile
 from pathlib import Path
 
 (root, plan_dir, out, scratch, wheels, wheel_list, src, budget, setup_caps,
- max_out) = sys.argv[1:11]
+ max_out, costs_text) = sys.argv[1:12]
+COSTS = {k: float(v) for k, v in (x.split("=") for x in costs_text.split())}
 root, out, scratch, src = Path(root), Path(out), Path(scratch), Path(src)
 wheels = root / wheels if not Path(wheels).is_absolute() else Path(wheels)
 problems: list[str] = []
@@ -372,20 +435,37 @@ print(f"wheels: {len(files)} in {wheels}, "
 steps = []
 for path in sorted(Path(plan_dir).iterdir()):
     fields = path.read_bytes().split(b"\0")[:-1]
-    name, cap, output, *argv = (x.decode() for x in fields)
-    steps.append({"name": name, "cap": int(cap), "output": output, "argv": argv})
+    name, cap, output, figures, counts, *argv = (x.decode() for x in fields)
+    declared = {} if counts == "-" else {
+        k: float(v) for k, v in (x.split("=") for x in counts.split(","))}
+    steps.append({"name": name, "cap": int(cap), "output": output, "argv": argv,
+                  "figures": [f for f in figures.split(",") if f], "counts": declared})
 
 outputs = [s["output"] for s in steps if s["output"] != "-"]
-if len(outputs) + 1 > int(max_out):
-    problems.append(f"{len(outputs) + 1} files in $OUT (the log and {outputs}): a device "
-                    f"run brings back at most {max_out}")
+if len(outputs) + 2 > int(max_out):
+    problems.append(f"{len(outputs) + 2} files in $OUT (the log, gpu_check.json and "
+                    f"{outputs}): a device run brings back at most {max_out}")
 if len(set(outputs)) != len(outputs):
     problems.append(f"two steps write the same file: {outputs}")
 total = int(setup_caps) + sum(s["cap"] for s in steps)
-if total > int(budget) or int(budget) > 480:
+if total > int(budget) or int(budget) > 420:
     problems.append(f"the limits add up to {total} s (set-up {setup_caps} s), over the "
-                    f"{budget} s budget or the 8-minute target")
+                    f"{budget} s budget or the 420 s a run may take")
 child_env = os.environ.copy()
+
+
+def estimate(counts: dict) -> tuple[float, str]:
+    """Seconds a step takes from its counts (COSTS per item), and how they add up."""
+    parts = {"imports": COSTS["import_s"],
+             "compiles": counts.get("compiles", 0) * COSTS["compile_s"],
+             "timings": counts.get("benches", 0) * COSTS["bench_s"],
+             "engines": counts.get("engine_builds", 0) * COSTS["engine_s"],
+             "steps": counts.get("engine_steps", 0) * COSTS["step_s"],
+             "tests": counts.get("tests", 0) * COSTS["test_s"],
+             "checkpoint": counts.get("checkpoint_bytes", 0) / 1e9 * COSTS["gb_s"],
+             "fixed": counts.get("fixed_s", 0)}
+    text = " + ".join(f"{k} {v:.0f}" for k, v in parts.items() if v)
+    return sum(parts.values()), text
 
 
 def check_pytest(s: dict) -> str:
@@ -396,7 +476,8 @@ def check_pytest(s: dict) -> str:
             return f"test file {f} does not exist"
     if not files:
         return "names no test file"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+    quiet = [a for a in args if a not in ("-v", "--verbose")]  # one node id a line
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *quiet],
                           cwd=root, capture_output=True, text=True, env=child_env)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
     if proc.returncode != 0:
@@ -409,7 +490,8 @@ def check_pytest(s: dict) -> str:
     empty = [f for f in files if per_file.get(f.split("::")[0], 0) == 0]
     if empty:
         return f"selects no test in {', '.join(empty)}: {' | '.join(tail)}"
-    return f"ok ({sum(per_file.values())} tests in {len(files)} files)"
+    s["counts"] = {**s["counts"], "tests": sum(per_file.values())}
+    return f"ok ({sum(per_file.values())} tests, {len(set(per_file))} files)"
 
 
 results = {}
@@ -510,6 +592,7 @@ if tool_steps:
         for r in json.loads(line[len("ARGCHECK "):]):
             s, message = by_name[r["name"]], r["status"]
             params = r.get("params", {})
+            s["params"] = params
             if message == "ok":
                 if r.get("device_option") and not params.get("device", "").startswith("cuda"):
                     message = f"runs on {params.get('device')}: pass --device cuda"
@@ -527,13 +610,41 @@ if tool_steps:
                         "device_option") or "daemon_device" in r else "") + ")"
             results[r["name"]] = message
 
+# Each tool with a --plan flag reports what it will compile, time and build, and its figures.
+for s in tool_steps:
+    if not results.get(s["name"], "").startswith("ok") or "plan" not in s.get("params", {}):
+        continue
+    proc = subprocess.run([sys.executable, *s["argv"][1:], "--plan"], cwd=root,  # -m tools.X
+                          capture_output=True, text=True, env=child_env)
+    try:
+        reported = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        results[s["name"]] = f"--plan gave no JSON: {(proc.stdout + proc.stderr)[-400:]}"
+        continue
+    s["counts"] = {**s["counts"], **{k: v for k, v in reported.items() if k != "figures"}}
+    if sorted(reported.get("figures", [])) != sorted(s["figures"]):
+        results[s["name"]] = (f"writes figures {reported.get('figures')}, the plan says "
+                              f"{s['figures']}")
+
+print(f"  {'step':<10} {'limit':>5} {'estimate':>8}  {'output':<19} {'figures':<40} status")
 for s in steps:
     status = results.get(s["name"], "not checked")
     if not status.startswith("ok"):
         problems.append(f"step {s['name']}: {status}")
-    print(f"  {s['name']:<10} {s['cap']:>4}s  {s['output']:<20} {status}")
+    seconds, how = estimate(s["counts"])
+    s["estimate"] = seconds
+    if status.startswith("ok") and seconds > s["cap"]:
+        problems.append(f"step {s['name']}: estimated {seconds:.0f} s ({how}), over its "
+                        f"{s['cap']} s limit")
+    if not s["figures"]:
+        problems.append(f"step {s['name']}: names no figure")
+    print(f"  {s['name']:<10} {s['cap']:>4}s {seconds:>7.0f}s  {s['output']:<19} "
+          f"{','.join(s['figures']):<40} {status}")
+    print(f"  {'':<10} {'':>5} {'':>8}  = {how}")
+estimated = int(setup_caps) + sum(s.get("estimate", 0) for s in steps)
 print(f"limits: set-up {setup_caps} s + steps {sum(s['cap'] for s in steps)} s = {total} s "
-      f"(budget {budget} s); files in $OUT: {len(outputs) + 1} (at most {max_out})")
+      f"(budget {budget} s); estimated {estimated:.0f} s; files in $OUT: "
+      f"{len(outputs) + 2} (at most {max_out})")
 if problems:
     print("dry run: FAILED\n  " + "\n  ".join(problems))
     sys.exit(1)

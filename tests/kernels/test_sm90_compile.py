@@ -141,9 +141,9 @@ def int4_cases(tier: str) -> Iterator[tuple[str, Call]]:
                        _gemm_call(m, k, n, zp_group, zero_point=True))
             yield f"{name} m{m} channel-wise", _gemm_call(m, k, n, None)
     for m in (1, 17, 64, 65, 129):
-        for group in (32, 64, 128, None):
-            yield (f"down m{m} g{group} fp32 scale fp32",
-                   _gemm_call(m, *LLAMA_8B_GEMMS["down"], group, "float32", "float32"))
+        for fp32_group in (32, 64, 128, None):
+            yield (f"down m{m} g{fp32_group} fp32 scale fp32",
+                   _gemm_call(m, *LLAMA_8B_GEMMS["down"], fp32_group, "float32", "float32"))
     for m in (1, 16, 128):
         yield (f"o m{m} channel-wise fp16 checkpoint zero points",
                _gemm_call(m, *LLAMA_8B_GEMMS["o"], None, "float16", "float16", "checkpoint",
