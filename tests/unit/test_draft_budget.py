@@ -93,3 +93,19 @@ def test_the_engine_buys_its_blocks_after_the_heads_share(monkeypatch: pytest.Mo
         assert budget - used < block + (block if graphs else 0)  # graphs: their pad block
     assert weights[0] == weights[1] > 0
     assert cores[True].runner.num_kv_blocks < cores[False].runner.num_kv_blocks
+
+
+def test_an_mla_heads_share_is_counted_over_its_latent_cache(tmp_path: Path) -> None:
+    """The MLA draft head (one DeepSeek layer, a latent draft cache): its trial runs over the
+    latent layout and its weights count as the loaded head's own."""
+    from tests.unit.test_draft_mla import mla_config, mla_tensors, save, target_embedding
+
+    root = save(tmp_path / "mla", mla_tensors(), mla_config())
+    cfg = read_draft_config(root)
+    assert cfg.mla_layer is not None
+    embedding = target_embedding()
+    assert head_weight_bytes(cfg, root, torch.float32) == _loaded_bytes(
+        root, torch.float32, embedding)
+    got = measure_draft_loop_bytes(cfg, 2, 3, 6, 2, 100, 16, torch.float32,
+                                   torch.device("cpu"))
+    assert got == 2 * (cfg.hidden_size * 4 + 128 * (8 + 1) + 8 + 8)  # batch 2, width 128
