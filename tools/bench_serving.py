@@ -45,9 +45,12 @@ def transformers_baseline(model: Path | None, num_prompts: int, round_prompts: i
     def make(daemon: dict[str, Any]) -> Baseline:
         from specd.daemon.bench.sweep import load_prompts
         from specd.workers.config import FIXTURE_DIR
+        from specd.workers.named_models import named_model
         from tools.bench_baseline import Baseline as TransformersBaseline  # torch, transformers
 
-        model_dir = model or Path(daemon["engine_config"].get("model") or FIXTURE_DIR)
+        served = str(daemon["engine_config"].get("model") or FIXTURE_DIR)
+        named = named_model(served)  # a name such as "fixture" is served from its directory
+        model_dir = model or (named.model_dir if named is not None else Path(served))
         click.echo(f"bench: transformers baseline on {model_dir}", err=True)
         dtype = str(daemon.get("resolved", {}).get("dtype", "float32"))
         return TransformersBaseline(model_dir, load_prompts(num_prompts), max_tokens,
