@@ -10,8 +10,11 @@ so the verify path really ran sharded. A rank that dies fails the engine, not a 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -196,3 +199,43 @@ def test_engine_close_stops_its_worker_ranks(single_rank: dict[str, Any]) -> Non
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(PROMPTS[:1])
+
+
+# No `if __name__ == "__main__":` guard: the ranks must not re-run this script.
+NO_MAIN_GUARD = """\
+import json, specd, torch
+torch.set_num_threads(1)
+engine = specd.Engine("fixture", dtype="float32", speculative_algorithm=None,
+                      max_num_batched_tokens=32, tensor_parallel_size=2)
+params = specd.SamplingParams(max_tokens={tokens}, ignore_eos=True)
+print(json.dumps([o.token_ids for o in engine.generate({prompts}, params)]))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_a_parallel_engine(
+        tmp_path: Path, single_rank: dict[str, Any]) -> None:
+    script = tmp_path / "generate.py"
+    script.write_text(NO_MAIN_GUARD.format(tokens=NEW_TOKENS, prompts=json.dumps(PROMPTS)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == single_rank["fixture"]
+
+
+@pytest.mark.parametrize(("module", "error"), [
+    # Imported before its control pipe is open: the exception line of its stderr.
+    ("msgspec", r"exited with code 1 before it was joining: ImportError: planted"),
+    # Imported after: it reports the traceback itself.
+    ("torch", r"failed while starting:\n(.*\n)*ImportError: planted"),
+])
+def test_a_rank_that_fails_to_start_is_named_with_its_own_error(
+        module: str, error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's interpreter finds a planted module that raises on import: rank 0's error
+    carries that exception line, not only an exit code."""
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text(
+        f"raise ImportError('planted: no {module} for this interpreter')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # rank 0 imported the real one already
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cpu\) " + error):
+        EngineCore(EngineConfig(dtype="float32", speculative_algorithm=None,
+                                tensor_parallel_size=2))

@@ -1,88 +1,100 @@
 """Rank 0's wait for its workers to start (WorkerGroup.wait_for): each way a worker can fail
-to get there is an error naming the rank, its pid and device. The workers here are forked
-stand-ins that speak the start-up protocol of parallel/worker.py on a real pipe."""
+to get there is an error naming the rank, its pid and device. The workers here are stand-ins
+started as the real ranks are (launch.RankProcess: a fresh interpreter with an inherited
+control pipe) that speak the start-up protocol of parallel/rank_main.py."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
+import sys
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
 
 import pytest
 
 from specd.workers.parallel.driver import WorkerGroup
-from specd.workers.parallel.worker import heartbeats
+from specd.workers.parallel.launch import RankProcess, first_error_line
 
+# The stand-in's control pipe, as rank_main.main opens it.
+PIPE = ("import sys, time\n"
+        "from multiprocessing.connection import Connection\n"
+        "conn = Connection(int(sys.argv[sys.argv.index('--control-fd') + 1]))\n")
 
-def _fails(conn: Connection) -> None:
-    conn.send(("failed", "Traceback ...\nValueError: no such tensor"))
-
-
-def _exits_silently(conn: Connection) -> None:
-    os._exit(3)
-
-
-def _loads_slowly(conn: Connection) -> None:
-    with heartbeats(conn):
-        time.sleep(2.5)
-    conn.send(("ready", ""))
-
-
-def _never_answers(conn: Connection) -> None:
-    time.sleep(60)
+FAILS = PIPE + "conn.send(('failed', 'Traceback ...\\nValueError: no such tensor'))\n"
+EXITS_SILENTLY = PIPE + "import os\nos._exit(3)\n"
+RAISES_BEFORE_A_WORD = "import json\njson.loads('{')\n"
+LOADS_SLOWLY = (PIPE + "from specd.workers.parallel.rank_main import StatusPipe\n"
+                "with StatusPipe(conn).beating():\n    time.sleep(2.5)\nconn.send(('ready', ''))\n")
+NEVER_ANSWERS = PIPE + "time.sleep(60)\n"
 
 
 @pytest.fixture()
-def start() -> Iterator[Callable[[Callable[[Connection], None]], WorkerGroup]]:
-    """A group of one forked worker running the given start-up (the real constructor spawns
-    model workers)."""
+def start() -> Iterator[Callable[[str], WorkerGroup]]:
+    """A group of one stand-in worker running the given start-up (the real constructor
+    starts model workers)."""
     groups: list[WorkerGroup] = []
 
-    def make(target: Callable[[Connection], None]) -> WorkerGroup:
-        ours, theirs = mp.get_context("fork").Pipe()
-        process = mp.get_context("fork").Process(target=target, args=(theirs,), daemon=True)
-        process.start()
-        theirs.close()
+    def make(code: str) -> WorkerGroup:
         group = WorkerGroup.__new__(WorkerGroup)
-        group.processes, group.pipes, group.devices = [process], [ours], ["cuda:1"]
+        group.processes = [RankProcess(1, "cuda:1", [sys.executable, "-c", code])]
         groups.append(group)
         return group
 
     yield make
     for group in groups:
         group.processes[0].kill()
-        group.processes[0].join()
+        group.processes[0].join(10)
+        group.processes[0].close()
 
 
 def test_a_worker_that_fails_is_reported_with_its_traceback(
-        start: Callable[[Callable[[Connection], None]], WorkerGroup]) -> None:
-    group = start(_fails)
+        start: Callable[[str], WorkerGroup]) -> None:
+    group = start(FAILS)
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cuda:1\) failed while starting:"
                                            r"\nTraceback ...\nValueError: no such tensor"):
         group.wait_for("ready", 10.0)
 
 
 def test_a_worker_that_exits_without_a_word_is_named_with_its_exit_code(
-        start: Callable[[Callable[[Connection], None]], WorkerGroup]) -> None:
-    group = start(_exits_silently)
+        start: Callable[[str], WorkerGroup]) -> None:
+    group = start(EXITS_SILENTLY)
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cuda:1\) exited with code 3 "
-                                           "before it was ready"):
+                                           "before it was ready$"):
         group.wait_for("ready", 10.0)
 
 
+def test_a_worker_that_raises_before_it_reports_is_named_with_its_error(
+        start: Callable[[str], WorkerGroup]) -> None:
+    """It never opened its pipe: the exception line of its traceback (its stderr) comes
+    with the exit code."""
+    group = start(RAISES_BEFORE_A_WORD)
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cuda:1\) exited with code 1 "
+                                           r"before it was joining: json.decoder."
+                                           r"JSONDecodeError: Expecting property name"):
+        group.wait_for("joining", 10.0)
+
+
 def test_beats_are_read_until_the_worker_is_ready(
-        start: Callable[[Callable[[Connection], None]], WorkerGroup]) -> None:
-    group = start(_loads_slowly)
-    group.wait_for("ready", 10.0)
-    assert not group.pipes[0].poll()  # every beat read
+        start: Callable[[str], WorkerGroup]) -> None:
+    group = start(LOADS_SLOWLY)
+    group.wait_for("ready", 30.0)
+    assert not group.processes[0].pipe.poll()  # every beat read
 
 
-def test_a_silent_worker_times_out_naming_it(
-        start: Callable[[Callable[[Connection], None]], WorkerGroup]) -> None:
-    group = start(_never_answers)
+def test_a_silent_worker_times_out_naming_it(start: Callable[[str], WorkerGroup]) -> None:
+    group = start(NEVER_ANSWERS)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cuda:1\) not ready after 1 s"):
         group.wait_for("ready", 1.0)
     assert 1.0 <= time.monotonic() - started < 2.0
+
+
+def test_the_first_traceback_names_the_error() -> None:
+    """The root cause of a chained traceback, not the exception raised while handling it;
+    without a traceback the last line said."""
+    lines = ["some log line", "Traceback (most recent call last):", '  File "x.py", line 1',
+             "    import torch", "ImportError: planted", "",
+             "During handling of the above exception, another exception occurred:", "",
+             "Traceback (most recent call last):", "RuntimeError: later"]
+    assert first_error_line(lines) == "ImportError: planted"
+    assert first_error_line(["starting", "Killed", ""]) == "Killed"
+    assert first_error_line([]) == ""

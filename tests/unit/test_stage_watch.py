@@ -3,19 +3,18 @@ included), silent while it is stuck."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any, cast
 
 import pytest
 
 from specd.ipc import messages as m
 from specd.workers.parallel.driver import WorkerGroup
-from specd.workers.parallel.worker import heartbeats
+from specd.workers.parallel.launch import RankProcess
 from specd.workers.process.io_threads import LinkIO
 from specd.workers.process.stage_watch import StageWatch
 
@@ -55,27 +54,29 @@ def test_heartbeats_follow_the_main_threads_work_and_stop_when_it_is_stuck() -> 
     assert all(msg.stage == "load" and "s CPU" in msg.detail for msg in outbox.messages)
 
 
-def _loading_rank(conn: Connection) -> None:
-    """A worker rank that joined and loads for ever, beating as parallel/worker.py does."""
-    conn.send(("joining", ""))
-    with heartbeats(conn):
-        time.sleep(60)
+# A worker rank that joined and loads for ever, beating as parallel/rank_main.py does.
+LOADING_RANK = ("import sys, time\n"
+                "from multiprocessing.connection import Connection\n"
+                "from specd.workers.parallel.rank_main import StatusPipe\n"
+                "conn = Connection(int(sys.argv[sys.argv.index('--control-fd') + 1]))\n"
+                "conn.send(('joining', ''))\n"
+                "with StatusPipe(conn).beating():\n"
+                "    time.sleep(60)\n")
 
 
 def test_rank_zero_waiting_for_a_loading_rank_moves_until_that_rank_is_stopped() -> None:
     """Rank 0's wait for its workers (WorkerGroup.wait_for) reads their beats: the watch
     sees progress while a worker loads, and silence once it is stopped (SIGSTOP)."""
-    ours, theirs = mp.get_context("fork").Pipe()
-    rank1 = mp.get_context("fork").Process(target=_loading_rank, args=(theirs,), daemon=True)
-    rank1.start()
-    # The real constructor spawns model workers: a group of this one process instead.
+    # The real constructor starts model workers: a group of this stand-in instead, started
+    # as they are (a fresh interpreter with an inherited control pipe).
+    rank1 = RankProcess(1, "cpu", [sys.executable, "-c", LOADING_RANK])
     group = WorkerGroup.__new__(WorkerGroup)
-    group.processes, group.pipes, group.devices = [rank1], [ours], ["cpu"]
+    group.processes = [rank1]
     outbox = _TimedOutbox()
-    stopper = threading.Timer(STOP_AFTER_S, os.kill, (cast(int, rank1.pid), signal.SIGSTOP))
-    stop_at = time.monotonic() + STOP_AFTER_S
+    stopper = threading.Timer(STOP_AFTER_S, os.kill, (rank1.pid, signal.SIGSTOP))
     try:
-        group.wait_for("joining", 5.0)
+        group.wait_for("joining", 60.0)  # its interpreter imports torch first
+        stop_at = time.monotonic() + STOP_AFTER_S
         stopper.start()
         with StageWatch(cast(LinkIO, outbox), "load"), \
                 pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+ on cpu\) not ready"):
@@ -84,7 +85,8 @@ def test_rank_zero_waiting_for_a_loading_rank_moves_until_that_rank_is_stopped()
     finally:
         stopper.cancel()
         rank1.kill()
-        rank1.join()
+        rank1.join(10)
+        rank1.close()
     loading = [t for t in outbox.times if t < stop_at]
     # A beat sent just before the stop is read and seen up to a sample later; the raise at
     # the deadline is movement again.

@@ -1,6 +1,7 @@
 """Rank 0 of tensor parallelism: the scheduler process's side.
 
-`start_parallel_model` starts ranks 1..N-1 (worker.py, one spawned process each), loads rank
+`start_parallel_model` starts ranks 1..N-1 (worker.py, one fresh interpreter each:
+launch.py), loads rank
 0's own shard while they start and load theirs, joins the process group with them, and
 waits until every rank reports ready (a rank that fails raises here with its traceback;
 the others are stopped). It returns a `DriverModel`: the model interface the runner, its
@@ -23,12 +24,10 @@ rank 0 (PR_SET_PDEATHSIG) and exit on EOF of their pipe.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -45,8 +44,10 @@ from specd.workers.parallel.context import (
     init_group,
     rank_device,
 )
+from specd.workers.parallel.launch import RANK_MODULE, RankProcess, module_command
+from specd.workers.parallel.rank_main import RankSpec
 from specd.workers.parallel.sharding import shard_model_config
-from specd.workers.parallel.worker import STORE_HOST, RankSpec, encode, run_worker
+from specd.workers.parallel.worker import STORE_HOST, encode
 from specd.workers.runner.attention import AttentionMetadata
 from specd.workers.runner.kv_cache import allocate_kv_cache
 
@@ -63,84 +64,82 @@ class RankFailed(RuntimeError):
 
 
 class WorkerGroup:
-    """Ranks 1..N-1 as rank 0 sees them: their processes and their pipes."""
+    """Ranks 1..N-1 as rank 0 sees them: their processes (launch.py), each with its pipe."""
 
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
         # Port 0: the store listens on a free port, which the workers are told.
         self.store = dist.TCPStore(STORE_HOST, 0, world, is_master=True,
                                    wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
-        context = mp.get_context("spawn")
-        self.processes: list[BaseProcess] = []
-        self.pipes: list[Connection] = []
-        self.devices = [rank_device(config.device, rank) for rank in range(1, world)]
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        for rank in range(1, world):
-            ours, theirs = context.Pipe()
-            spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level,
-                            os.getpid())
-            process = context.Process(target=run_worker, args=(spec, theirs),
-                                      name=f"specd-rank{rank}", daemon=True)
-            process.start()
-            theirs.close()
-            self.processes.append(process)
-            self.pipes.append(ours)
+        self.processes: list[RankProcess] = []
+        try:
+            for rank in range(1, world):
+                spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level,
+                                os.getpid())
+                self.processes.append(RankProcess(
+                    rank, str(rank_device(config.device, rank)),
+                    module_command(RANK_MODULE, spec.arguments())))
+        except BaseException:
+            self.abort()
+            raise
 
     def wait_for(self, expected: str, timeout_s: float) -> None:
         """Until every worker reports `expected` ("joining": about to join the group,
         "ready": loaded), reading their `loading` beats meanwhile; RuntimeError with the
-        traceback of one that failed, or naming one that exited or did not get there in
-        `timeout_s`."""
+        traceback of one that failed, or naming one that exited (with the first error
+        line of its stderr) or did not get there in `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), 1):
+        for process in self.processes:
             status = "loading"
             while status == "loading":
                 # One blocking wait for a message, the exit or the deadline: between beats
                 # this thread does not move, so the stage watch sees the beats and only them
                 # (a stopped worker is silence).
-                ready = wait([pipe, process.sentinel], max(0.0, deadline - time.monotonic()))
-                if not pipe.poll():  # what it sent before it exited is read first
+                ready = wait([process.pipe, process.sentinel],
+                             max(0.0, deadline - time.monotonic()))
+                if not process.pipe.poll():  # what it sent before it exited is read first
                     if process.sentinel in ready:
-                        raise self._exited(rank, expected)
-                    raise RuntimeError(f"{self.describe(rank)} not {expected} after "
+                        raise self._exited(process, expected)
+                    raise RuntimeError(f"{process.describe()} not {expected} after "
                                        f"{timeout_s:.0f} s")
                 try:
-                    status, detail = pipe.recv()
+                    status, detail = process.pipe.recv()
                 except EOFError as e:  # it exited without a word (a signal, os._exit)
-                    raise self._exited(rank, expected) from e
+                    raise self._exited(process, expected) from e
             if status != expected:
-                raise RuntimeError(f"{self.describe(rank)} failed while starting:\n{detail}")
+                raise RuntimeError(f"{process.describe()} failed while starting:\n{detail}")
 
-    def _exited(self, rank: int, expected: str) -> RuntimeError:
-        process = self.processes[rank - 1]
+    @staticmethod
+    def _exited(process: RankProcess, expected: str) -> RuntimeError:
         process.join(EXIT_GRACE_S)  # its exit code, once reaped
-        return RuntimeError(f"{self.describe(rank)} exited with code {process.exitcode} "
-                            f"before it was {expected}")
+        error = process.error_line()
+        return RuntimeError(f"{process.describe()} exited with code {process.exitcode} "
+                            f"before it was {expected}" + (f": {error}" if error else ""))
 
     def describe(self, rank: int) -> str:
         """"rank R (pid P on DEVICE)" of worker `rank` (1..N-1): how failures name a rank,
         so that the failure's log record alone says which process and device it was."""
-        return (f"rank {rank} (pid {self.processes[rank - 1].pid} on "
-                f"{self.devices[rank - 1]})")
+        return self.processes[rank - 1].describe()
 
     def send(self, op: str, *args: object) -> None:
         """Send one call to every worker (serialized once); RankFailed if one is gone."""
         self.check_alive(0.0)
         data = encode(op, *args)
-        for rank, pipe in enumerate(self.pipes, 1):
+        for process in self.processes:
             try:
-                pipe.send_bytes(data)
+                process.pipe.send_bytes(data)
             except OSError as e:
-                raise RankFailed(f"{self.describe(rank)} no longer reads its calls ({e})") from e
+                raise RankFailed(f"{process.describe()} no longer reads its calls ({e})") from e
 
     def check_alive(self, grace_s: float) -> None:
         """RankFailed naming the first worker that has exited (waiting up to `grace_s` for
         each to be seen exited)."""
-        for rank, process in enumerate(self.processes, 1):
+        for process in self.processes:
             if grace_s:
                 process.join(grace_s)
             if not process.is_alive():
-                raise RankFailed(f"{self.describe(rank)} exited with code {process.exitcode}")
+                raise RankFailed(f"{process.describe()} exited with code {process.exitcode}")
 
     def call_failed(self, error: Exception) -> None:
         """Rank 0's call raised `error`: RankFailed (chained to it) when a worker is gone
@@ -160,16 +159,15 @@ class WorkerGroup:
             process.terminate()
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
-        for pipe in self.pipes:
-            pipe.close()
+            process.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def close(self) -> None:
         """Stop the workers (`stop`, then SIGTERM after STOP_TIMEOUT_S) and leave the group."""
-        for pipe in self.pipes:
+        for process in self.processes:
             try:
-                pipe.send_bytes(encode("stop"))
+                process.pipe.send_bytes(encode("stop"))
             except OSError as e:  # that worker has exited already; it is joined below
                 log.info("rank already gone at stop (%s)", e, extra={"event": "rank_gone"})
         for process in self.processes:
@@ -177,8 +175,7 @@ class WorkerGroup:
             if process.is_alive():
                 process.terminate()
                 process.join(STOP_TIMEOUT_S)
-        for pipe in self.pipes:
-            pipe.close()
+            process.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

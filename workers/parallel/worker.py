@@ -1,6 +1,7 @@
-"""Ranks 1..N-1: one process each, started by rank 0 (driver.py).
+"""Ranks 1..N-1: one process each, started by rank 0 (driver.py) as a fresh interpreter
+(launch.py; its entry is rank_main.py).
 
-A rank reports `joining`, joins the process group, loads its shard (models/loader.py)
+A rank reports `joining`, joins the process group and loads its shard (models/loader.py)
 while a thread reports `loading` every second (rank 0 reads those beats, which the
 scheduler's stage watch counts as progress, so a long load is not taken for a hang), then
 reports `ready` (or `failed` with the traceback) on its pipe. It then serves the calls
@@ -14,11 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from specd.logs import setup_logging
-from specd.workers.config import EngineConfig
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.loader import load_model
 from specd.workers.models.registry import CausalLM
@@ -36,26 +31,13 @@ from specd.workers.parallel.context import (
     init_group,
     rank_device,
 )
+from specd.workers.parallel.rank_main import RankSpec, StatusPipe
 from specd.workers.parallel.sharding import shard_model_config
 from specd.workers.runner.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("specd.parallel")
 
 STORE_HOST = "127.0.0.1"
-HEARTBEAT_S = 1.0
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What rank 0 tells a rank it starts: its rank, where the group's store listens, the
-    engine config, and the host settings to copy (torch threads, log level)."""
-
-    rank: int
-    store_port: int
-    config: EngineConfig
-    num_threads: int
-    log_level: str
-    parent_pid: int
 
 
 def encode(op: str, *args: Any) -> bytes:
@@ -71,59 +53,28 @@ def decode(data: bytes, device: torch.device) -> tuple[str, tuple[Any, ...]]:
     return op, args
 
 
-def run_worker(spec: RankSpec, conn: Connection) -> None:
-    """The process entry of rank `spec.rank` (see module docstring)."""
-    # Killed with rank 0 even when stopped or inside a collective (prctl(2)).
-    from specd.workers.process.parent import die_with_parent
-
-    die_with_parent(spec.parent_pid)
+def start_rank(spec: RankSpec, status: StatusPipe) -> RankServer:
+    """Join the group (`joining` first) and load this rank's shard; the server of its
+    calls. Raises what failed (rank_main.py reports it)."""
     setup_logging("json", spec.log_level)
     torch.set_num_threads(spec.num_threads)
     config = spec.config
     world = config.tensor_parallel_size
-    try:
-        device = rank_device(config.device, spec.rank)
-        conn.send(("joining", ""))
-        with heartbeats(conn):
-            store = dist.TCPStore(STORE_HOST, spec.store_port, world, is_master=False,
-                                  timeout=COLLECTIVE_TIMEOUT)
-            init_group(store, spec.rank, world, device)
-            par = ParallelContext(spec.rank, world, config.expert_parallel)
-            model_config = ModelConfig.from_dir(config.model_path)
-            # Imported here: the runner module imports this package's driver.
-            from specd.workers.models.linear_factory import linear_factory
-            from specd.workers.runner.dtypes import TORCH_DTYPES, resolve_dtype
+    device = rank_device(config.device, spec.rank)
+    status.report("joining")
+    store = dist.TCPStore(STORE_HOST, spec.store_port, world, is_master=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    init_group(store, spec.rank, world, device)
+    par = ParallelContext(spec.rank, world, config.expert_parallel)
+    model_config = ModelConfig.from_dir(config.model_path)
+    # Imported here: the runner module imports this package's driver.
+    from specd.workers.models.linear_factory import linear_factory
+    from specd.workers.runner.dtypes import TORCH_DTYPES, resolve_dtype
 
-            dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
-            model = load_model(model_config, device, dtype, linear_factory(model_config), par)
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
-        raise
-    conn.send(("ready", ""))
-    try:
-        RankServer(model, shard_model_config(model_config, par), config.block_size, dtype,
-                   device).serve(conn)
-    finally:
-        dist.destroy_process_group()
-
-
-@contextmanager
-def heartbeats(conn: Connection) -> Iterator[None]:
-    """While the block runs, send `loading` every HEARTBEAT_S from a thread (stopped and
-    joined before the block's end, so nothing is sent after it)."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(HEARTBEAT_S):
-            conn.send(("loading", ""))
-
-    thread = threading.Thread(target=beat, name="rank-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    dtype = TORCH_DTYPES[resolve_dtype(config, model_config)]
+    model = load_model(model_config, device, dtype, linear_factory(model_config), par)
+    return RankServer(model, shard_model_config(model_config, par), config.block_size, dtype,
+                      device)
 
 
 class RankServer:
@@ -140,7 +91,13 @@ class RankServer:
 
     @torch.inference_mode()
     def serve(self, conn: Connection) -> None:
-        """Until `stop`, or EOF on the pipe (rank 0 exited)."""
+        """Until `stop`, or EOF on the pipe (rank 0 exited); then leave the group."""
+        try:
+            self._serve(conn)
+        finally:
+            dist.destroy_process_group()
+
+    def _serve(self, conn: Connection) -> None:
         while True:
             try:
                 data = conn.recv_bytes()

@@ -11,10 +11,11 @@ those heartbeats as progress and treats silence for the hang timeout as a hang (
 dumped, exit 75); a stopped process sends nothing either.
 
 A main thread that waits on other processes still moves while they work: rank 0 of a
-tensor-parallel model, waiting for ranks 1..N-1 to load their shards, reads a beat from
-each of them every second (parallel/worker.py `heartbeats`), and those reads count in its
-`rchar` and CPU time. A stopped worker sends no beats, so its silence is rank 0's too and
-the hang timeout ends it; a worker whose load hangs while its process runs keeps beating
+tensor-parallel model, waiting for ranks 1..N-1 to start and load their shards, reads a
+beat from each of them every second (parallel/rank_main.py `StatusPipe.beating`, from the
+rank's interpreter start on), and those reads count in its `rchar` and CPU time. A
+stopped worker sends no beats, so its silence is rank 0's too and the hang timeout ends
+it; a worker whose load hangs while its process runs keeps beating
 (a thread of its own sends them) until rank 0's wait for it times out
 (`parallel/context.py` COLLECTIVE_TIMEOUT), which fails the load stage.
 """
