@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sized
+from collections.abc import Awaitable, Callable, Coroutine, Sized
 from typing import Any, TypeAlias
 
 import msgspec
@@ -24,6 +24,7 @@ from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.front_status import FrontStatus, Spawn
 from specd.daemon.health_watch import HealthWatch
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import State
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
@@ -41,14 +42,17 @@ OPERATOR_ONLY = (m.SetSpec, m.Drain, m.Stop)
 
 class Control:
     """Answers `ControlMessage`s. Reads the front's `status`, its request `table`, its
-    `connections` (how many) and `counters`; asks the scheduler through `queries` and reads
-    its process through `scheduler`; the state it reports is `health`'s. Its handlers run
-    through `spawn`; a drain or stop is the front's `begin_drain(timeout_s, reason)`."""
+    `connections` (how many), `counters`, `problems` and `fallbacks`; asks the scheduler
+    through `queries` (after `reconcile()`, so that a lost request has ended when the
+    figures are read) and reads its process through `scheduler`; the state it reports is
+    `health`'s. Its handlers run through `spawn`; a drain or stop is the front's
+    `begin_drain(timeout_s, reason)`."""
 
     def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
                  connections: Sized, counters: Counter[str], scheduler: SchedulerHandle,
-                 queries: SchedulerQueries, health: HealthWatch, *, spawn: Spawn,
-                 begin_drain: Callable[[float, str], None]) -> None:
+                 queries: SchedulerQueries, health: HealthWatch, problems: Incidents,
+                 fallbacks: Incidents, *, reconcile: Callable[[], Awaitable[None]],
+                 spawn: Spawn, begin_drain: Callable[[float, str], None]) -> None:
         self.config = config
         self.status = status
         self.table = table
@@ -57,6 +61,9 @@ class Control:
         self.scheduler = scheduler
         self.queries = queries
         self.health = health
+        self.problems = problems
+        self.fallbacks = fallbacks
+        self.reconcile = reconcile
         self.spawn = spawn
         self.begin_drain = begin_drain
 
@@ -109,6 +116,7 @@ class Control:
         error = "the scheduler did not answer"
         if not scheduler.is_stopped:
             try:
+                await self.reconcile()
                 return (await self.queries.ask(lambda q: m.QueryStats(q))).result
             except (TimeoutError, LinkSendError) as exc:
                 error += f" ({type(exc).__name__} after {QUERY_TIMEOUT_S:g} s)"
@@ -140,6 +148,8 @@ class Control:
                     "modules": ready.modules, "packages": ready.packages},
             },
             config=msgspec.to_builtins(self.config, enc_hook=str),
+            problems=self.problems.summary(),
+            fallbacks=self.fallbacks.summary(),
         ))
 
     async def _reply_stats(self, connection: Connection, query_id: int) -> None:

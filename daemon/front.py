@@ -28,11 +28,13 @@ from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
 from specd.daemon.front_status import FrontStatus
-from specd.daemon.health_watch import HealthWatch
+from specd.daemon.health_watch import HealthWatch, probe_interval_s
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import Metrics
 from specd.daemon.http.server import HttpServer
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import Lifecycle, State
+from specd.daemon.reconcile import Reconciler
 from specd.daemon.request_flow import RequestFlow
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
@@ -87,16 +89,25 @@ class Front:
         log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
                   scheduler_pid=self.scheduler.pid, code_version=self.code_version)
         self.queries = SchedulerQueries(self.scheduler)
-        self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
-                                  self.scheduler, probe=self.queries.probe, spawn=self.spawn,
-                                  fail=self.fail)
+        # What an operator must act on: the front's problems (a lost request, a removed
+        # socket file) and its degraded parts (an HTTP handler that raised).
+        self.problems = Incidents(self.counters)
+        self.fallbacks = Incidents(self.counters)
         self.requests = RequestFlow(config, tokenizer, self.status, self.table, self.counters,
                                     self.metrics.latency, self.scheduler, spawn=self.spawn,
-                                    note_progress=self.health.progressed,
+                                    note_progress=self._note_progress,
                                     check_drained=self.check_drained)
+        self.reconciler = Reconciler(self.table, self.requests, self.queries, self.problems,
+                                     idle_after_s=probe_interval_s(config),
+                                     stall_timeout_s=config.hang_timeout_s)
+        self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
+                                  self.scheduler, probe=self.reconciler.probe,
+                                  stalled_ids=self.reconciler.stalled_ids, spawn=self.spawn,
+                                  fail=self.fail)
         self.control = Control(config, self.status, self.table, self.connections, self.counters,
-                               self.scheduler, self.queries, self.health, spawn=self.spawn,
-                               begin_drain=self.begin_drain)
+                               self.scheduler, self.queries, self.health, self.problems,
+                               self.fallbacks, reconcile=self.reconciler.reconcile,
+                               spawn=self.spawn, begin_drain=self.begin_drain)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -137,6 +148,9 @@ class Front:
         """A connection id no other client has (socket connections and HTTP requests)."""
         self._next_connection_id += 1
         return self._next_connection_id
+
+    def _note_progress(self) -> None:
+        self.health.progressed()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task, cancelled when the front exits."""
@@ -269,6 +283,10 @@ class Front:
             for delta in message.deltas:
                 self.requests.on_delta(delta)
         elif isinstance(message, m.QueryReply):
+            self.queries.on_reply(message)
+        elif isinstance(message, m.Holding):
+            self.health.progressed()  # the loop answers between steps: not hung
+            self.reconciler.on_holding(message)
             self.queries.on_reply(message)
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)

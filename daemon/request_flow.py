@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -250,6 +251,7 @@ class RequestFlow:
         request = self.table.get(delta.request_id)
         if request is None:
             return  # aborted while the step ran
+        request.last_moved = time.monotonic()
         detokenizer = request.detokenizer
         num_before = len(detokenizer.token_ids)
         text = detokenizer.add(delta.new_token_ids)

@@ -1,9 +1,10 @@
 """The front's questions to the scheduler: each carries a query id, and the scheduler's
-`QueryReply` with that id is its answer.
+answer with that id (`QueryReply`, or `Holding` to a `Reconcile`) is its answer.
 
-Every question takes its id from one counter (`ask` and `probe` alike), so a reply never
-answers a question it was not meant for. An answer to no question waiting (a probe's, or one
-that came after its question timed out) is dropped. No torch is imported here.
+Every question takes its id from one counter (`ask` and `tell` alike), so an answer never
+answers a question it was not meant for. An answer to no question waiting (one asked with
+`tell`, or one that came after its question timed out) is dropped here. No torch is
+imported here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TypeAlias, TypeVar
 
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.ipc import messages as m
@@ -20,39 +22,49 @@ from specd.logs import log_event
 log = logging.getLogger("specd.front")
 
 QUERY_TIMEOUT_S = 5.0
+Answer: TypeAlias = m.QueryReply | m.Holding
+A = TypeVar("A", m.QueryReply, m.Holding)
 
 
 class SchedulerQueries:
-    """The questions in flight to `scheduler`; `on_reply` gets every `QueryReply`."""
+    """The questions in flight to `scheduler`; `on_reply` gets every answer."""
 
     def __init__(self, scheduler: SchedulerHandle) -> None:
         self.scheduler = scheduler
         self._next_query_id = 0
-        self._queries: dict[int, asyncio.Future[m.QueryReply]] = {}
+        self._queries: dict[int, asyncio.Future[Answer]] = {}
 
-    async def ask(self, make: Callable[[int], m.ToScheduler]) -> m.QueryReply:
-        """Send `make(query_id)` to the scheduler and wait for its QueryReply (at most
-        QUERY_TIMEOUT_S: TimeoutError; a full inbox: LinkSendError)."""
-        self._next_query_id += 1
-        query_id = self._next_query_id
-        future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
+    async def ask(self, make: Callable[[int], m.ToScheduler], answer: type[A] = m.QueryReply,
+                  ) -> A:
+        """Send `make(query_id)` to the scheduler and wait for its answer, of type `answer`
+        (at most QUERY_TIMEOUT_S: TimeoutError; a full inbox: LinkSendError)."""
+        query_id = self._new_id()
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future
         try:
             self.scheduler.send(make(query_id))
-            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+            reply = await asyncio.wait_for(future, QUERY_TIMEOUT_S)
         finally:
             self._queries.pop(query_id, None)
+        if not isinstance(reply, answer):
+            raise TypeError(f"query {query_id} was answered {type(reply).__name__}, not "
+                            f"{answer.__name__}")
+        return reply
 
-    def probe(self) -> None:
-        """Ask the scheduler for its figures without waiting (the front's idle watchdog: the
-        answer moves `HealthWatch.last_heard`; no one reads it)."""
-        self._next_query_id += 1
+    def tell(self, make: Callable[[int], m.ToScheduler]) -> None:
+        """Send `make(query_id)` without waiting (the front's probes: the answer, like any
+        message, moves `HealthWatch.last_heard`, and whoever handles it reads it)."""
+        query_id = self._new_id()
         try:
-            self.scheduler.send(m.QueryStats(self._next_query_id))
+            self.scheduler.send(make(query_id))
         except LinkSendError as exc:  # its inbox is full: the watchdog will see no answer
             log_event(log, logging.WARNING, "probe_not_sent", f"cannot ask the scheduler: {exc}")
 
-    def on_reply(self, reply: m.QueryReply) -> None:
+    def on_reply(self, reply: Answer) -> None:
         future = self._queries.pop(reply.query_id, None)
         if future is not None and not future.done():
             future.set_result(reply)
+
+    def _new_id(self) -> int:
+        self._next_query_id += 1
+        return self._next_query_id

@@ -128,6 +128,17 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.isolation.is_active)
 
+    @property
+    def num_steps(self) -> int:
+        """Steps whose results were applied so far (a step that scheduled nothing is none)."""
+        return self._num_steps
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds unfinished (waiting, running, in a step in flight,
+        or set aside by isolation), in arrival order: what the front reconciles its open
+        requests against (`messages.Holding`)."""
+        return list(self.scheduler.sequences)
+
     def step(self, isolate: bool = True) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
         got tokens or finished.
