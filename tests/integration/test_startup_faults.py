@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from specd.exit_codes import EXIT_CONFIG, EXIT_SOFTWARE
 from specd.workers.config import FIXTURE_DIR
@@ -134,5 +135,19 @@ def test_a_code_bug_in_the_front_exits_70_with_its_traceback(
         (record,) = daemon.events("internal_error")
         assert "AttributeError" in record["msg"] and "planted_attribute" in record["traceback"]
         assert not daemon.socket_path.exists()  # cleaned up on the way out
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_no_device_of_the_kind_asked_for_exits_78_naming_the_option(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, "--device", "cuda")
+    try:
+        assert daemon.wait(240) == EXIT_CONFIG
+        (record,) = daemon.events("scheduler_failed")
+        (line,) = record["msg"].splitlines()
+        assert "stage load" in line and "ValueError('--device cuda: " in line
+        assert "use --device cpu" in line
+        assert record["exit_code"] == EXIT_CONFIG
     finally:
         daemon.stop()
