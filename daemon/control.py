@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sized
+from collections.abc import Callable, Coroutine, Sized
 from typing import Any, TypeAlias
 
 import msgspec
@@ -43,15 +43,15 @@ OPERATOR_ONLY = (m.SetSpec, m.Drain, m.Stop)
 class Control:
     """Answers `ControlMessage`s. Reads the front's `status`, its request `table`, its
     `connections` (how many), `counters`, `problems` and `fallbacks`; asks the scheduler
-    through `queries` (after `reconcile()`, so that a lost request has ended when the
-    figures are read) and reads its process through `scheduler`; the state it reports is
-    `health`'s. Its handlers run through `spawn`; a drain or stop is the front's
-    `begin_drain(timeout_s, reason)`."""
+    through `queries` (after the question of `reconcile()`, whose answer is settled before
+    the figures arrive: a lost request has ended when they are read) and reads its process
+    through `scheduler`; the state it reports is `health`'s. Its handlers run through
+    `spawn`; a drain or stop is the front's `begin_drain(timeout_s, reason)`."""
 
     def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
                  connections: Sized, counters: Counter[str], scheduler: SchedulerHandle,
                  queries: SchedulerQueries, health: HealthWatch, problems: Incidents,
-                 fallbacks: Incidents, *, reconcile: Callable[[], Awaitable[None]],
+                 fallbacks: Incidents, *, reconcile: Callable[[], None],
                  spawn: Spawn, begin_drain: Callable[[float, str], None]) -> None:
         self.config = config
         self.status = status
@@ -66,6 +66,7 @@ class Control:
         self.reconcile = reconcile
         self.spawn = spawn
         self.begin_drain = begin_drain
+        self._num_in_flight: Counter[int] = Counter()  # connection id -> replies it awaits
 
     def handle(self, connection: Connection, message: ControlMessage) -> None:
         """Answer at once or through a task; never raises for a client's mistake."""
@@ -96,9 +97,15 @@ class Control:
                        reply: Callable[[Connection, int], Coroutine[Any, Any, None]]) -> None:
         self.spawn(self._guarded(connection, client_id, reply(connection, client_id)))
 
+    def is_answering(self, connection_id: int) -> bool:
+        """Whether a reply to the connection is still being prepared (a query waiting on
+        the scheduler): the connection is not idle meanwhile."""
+        return self._num_in_flight[connection_id] > 0
+
     async def _guarded(self, connection: Connection, client_id: int,
                        coro: Coroutine[Any, Any, None]) -> None:
         """Run a query handler; a bug in it answers internal_error instead of vanishing."""
+        self._num_in_flight[connection.connection_id] += 1
         try:
             await coro
         except Exception:  # noqa: BLE001 - reported to the client and the log
@@ -106,6 +113,10 @@ class Control:
                           extra={"event": "internal_error",
                                  "connection": connection.connection_id})
             connection.reject(client_id, "internal_error", "internal error; see the log")
+        finally:
+            self._num_in_flight[connection.connection_id] -= 1
+            if not self._num_in_flight[connection.connection_id]:
+                del self._num_in_flight[connection.connection_id]
 
     async def _engine_stats(self) -> dict[str, Any]:
         """The scheduler's figures; while it does not answer (or its process is stopped,
@@ -116,7 +127,10 @@ class Control:
         error = "the scheduler did not answer"
         if not scheduler.is_stopped:
             try:
-                await self.reconcile()
+                # The reconciliation's question first: its answer comes, and is settled,
+                # before the figures (the link keeps order), so a lost request has ended
+                # when the reply is written.
+                self.reconcile()
                 return (await self.queries.ask(lambda q: m.QueryStats(q))).result
             except (TimeoutError, LinkSendError) as exc:
                 error += f" ({type(exc).__name__} after {QUERY_TIMEOUT_S:g} s)"

@@ -106,7 +106,7 @@ class Front:
                                   fail=self.fail)
         self.control = Control(config, self.status, self.table, self.connections, self.counters,
                                self.scheduler, self.queries, self.health, self.problems,
-                               self.fallbacks, reconcile=self.reconciler.reconcile,
+                               self.fallbacks, reconcile=self.reconciler.probe,
                                spawn=self.spawn, begin_drain=self.begin_drain)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -287,7 +287,6 @@ class Front:
         elif isinstance(message, m.Holding):
             self.health.progressed()  # the loop answers between steps: not hung
             self.reconciler.on_holding(message)
-            self.queries.on_reply(message)
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
@@ -342,13 +341,11 @@ class Front:
                              writer: asyncio.StreamWriter) -> None:
         connection = Connection(self.new_connection_id(), reader, writer, self.codec,
                                 self.config, self.counters)
-        # Never admitted: told why, then closed.
+        # Never admitted: told why, then closed. While draining a connection is admitted
+        # for the operator's commands (status, a second drain, stop); a generate on it is
+        # refused `shutting_down` (request_flow.py).
         if len(self.connections) >= self.config.max_connections:
             await connection.refuse("overloaded", "too many connections")
-            return
-        if self.status.state is State.DRAINING:
-            await connection.refuse("shutting_down", "the daemon is draining; no new "
-                                    "connections")
             return
         self.connections[connection.connection_id] = connection
         await connection.serve(self)
@@ -358,7 +355,8 @@ class Front:
         self.requests.on_connection_closed(connection, reason)
 
     def has_open_requests(self, connection: Connection) -> bool:
-        return bool(self.table.of_connection(connection.connection_id))
+        return (bool(self.table.of_connection(connection.connection_id))
+                or self.control.is_answering(connection.connection_id))
 
     def on_large_frame(self) -> None:
         self.requests.prompts.release_memory_soon()

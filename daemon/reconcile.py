@@ -45,9 +45,9 @@ class _Asked:
 
 
 class Reconciler:
-    """Asks the scheduler what it holds (`probe`, without waiting; `reconcile`, waiting)
-    and settles each answer (`on_holding`) against the front's request `table`: ends the
-    lost and stalled requests through `requests`, records each kind in `problems`.
+    """Asks the scheduler what it holds (`probe`) and settles each answer (`on_holding`)
+    against the front's request `table`: ends the lost and stalled requests through
+    `requests`, records each kind in `problems`.
 
     idle_after_s: an engine that has not moved for this long while holding requests is
     idle (the daemon's state says `stalled`); stall_timeout_s: a request that neither moved
@@ -65,13 +65,10 @@ class Reconciler:
         self._stalled_ids: list[str] = []  # held by an idle engine at the last answer
 
     def probe(self) -> None:
-        """Ask without waiting (the health watch's probe: any answer shows it alive)."""
+        """Ask without waiting (the health watch's probe: any answer shows it alive; a
+        status reply's question: the answer is settled before the figures asked after it
+        arrive)."""
         self.queries.tell(self._question)
-
-    async def reconcile(self) -> None:
-        """Ask and wait until the answer is settled (TimeoutError, LinkSendError as
-        `SchedulerQueries.ask`)."""
-        await self.queries.ask(self._question, m.Holding)
 
     def _question(self, query_id: int) -> m.Reconcile:
         self._asked[query_id] = _Asked(self.table.num_submissions,

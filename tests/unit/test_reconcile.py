@@ -5,7 +5,6 @@ aborted in the engine."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from typing import cast
@@ -141,18 +140,3 @@ def test_a_request_the_front_had_ended_is_aborted_in_the_engine() -> None:
     reconciler.on_holding(m.Holding(_asked(link), ["r1", "r2"], idle_s=0.0))
     assert flow.aborted == ["r1"] and flow.ended == []
     assert not problems.last
-
-
-def test_reconcile_waits_for_the_answer() -> None:
-    async def scenario() -> list[tuple[str, str, str]]:
-        table, flow, link, _, reconciler = _setup()
-        _open(table, "r1")
-        waiting = asyncio.ensure_future(reconciler.reconcile())
-        await asyncio.sleep(0)
-        holding = m.Holding(_asked(link), [], idle_s=0.0)
-        reconciler.on_holding(holding)
-        reconciler.queries.on_reply(holding)
-        await waiting
-        return flow.ended
-
-    assert [rid for rid, _, _ in asyncio.run(scenario())] == ["r1"]
