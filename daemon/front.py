@@ -40,6 +40,7 @@ from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.daemon.scheduler_queries import SchedulerQueries
 from specd.daemon.server import Connection, start_server
+from specd.daemon.socket_watch import SocketWatch
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc import messages as m
 from specd.ipc.framing import FrameCodec
@@ -64,11 +65,14 @@ class Front:
     the front's counters)."""
 
     def __init__(self, config: DaemonConfig, lifecycle: Lifecycle, tokenizer: Tokenizer,
-                 listener: socket.socket, http_listener: HttpListener | None = None,
-                 scheduler_restarts: int = 0) -> None:
+                 listener: socket.socket, socket_watch: SocketWatch,
+                 http_listener: HttpListener | None = None, scheduler_restarts: int = 0
+                 ) -> None:
         self.config = config
         self.lifecycle = lifecycle
         self.listener = listener
+        self.socket_watch = socket_watch  # the listener's file (a re-bound one is served too)
+        self.servers: list[asyncio.Server] = []
         self.http_listener = http_listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
             m.ClientMessage, config.max_frame_bytes, nil_is_default=True)
@@ -102,7 +106,8 @@ class Front:
                                      stall_timeout_s=config.hang_timeout_s)
         self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
                                   self.scheduler, probe=self.reconciler.probe,
-                                  stalled_ids=self.reconciler.stalled_ids, spawn=self.spawn,
+                                  stalled_ids=self.reconciler.stalled_ids,
+                                  unreachable=lambda: socket_watch.lost, spawn=self.spawn,
                                   fail=self.fail)
         self.control = Control(config, self.status, self.table, self.connections, self.counters,
                                self.scheduler, self.queries, self.health, self.problems,
@@ -114,7 +119,7 @@ class Front:
     async def run(self) -> int:
         """Serve until drained or failed; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        server = await start_server(self._on_connection, self.listener, self.config)
+        await self._serve(self.listener)
         http = None
         if self.http_listener is not None:
             http = HttpServer(self.config, self.http_listener, self.status, self.counters,
@@ -127,7 +132,8 @@ class Front:
         self.lifecycle.starting("scheduler: spawn")
         background = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
         await self._done.wait()
-        server.close()
+        for server in self.servers:
+            server.close()
         for connection in list(self.connections.values()):
             connection.close("daemon exiting")
         await asyncio.sleep(0.05)  # let the transports flush their last frames
@@ -166,10 +172,17 @@ class Front:
             return
         self.begin_drain(self.config.drain_timeout_s, f"{name} received")
 
+    async def _serve(self, listener: socket.socket) -> None:
+        self.servers.append(await start_server(self._on_connection, listener, self.config))
+
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self.health.check(time.monotonic())
+            now = time.monotonic()
+            self.health.check(now)
+            rebound = self.socket_watch.check(now, self.problems)
+            if rebound is not None:
+                self.spawn(self._serve(rebound))
 
     def begin_drain(self, timeout_s: float, reason: str) -> None:
         """Stop accepting; end when the open requests are done or `timeout_s` passed. During

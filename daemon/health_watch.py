@@ -8,8 +8,9 @@ probe is the reconciliation's question (daemon/reconcile.py), sent every probe i
 busy or not; its answer counts as progress (the loop is alive between steps; an engine that
 answers but does not step is the reconciliation's business: `stalled`). A hang asks for the
 scheduler's stacks and fails the daemon with them (exit 75). While the scheduler owes an
-answer the daemon reports `unresponsive`, and while the last answer showed an idle engine
-holding open requests `stalled` (status, /health, systemd's STATUS). No torch is imported
+answer the daemon reports `unresponsive`, while the last answer showed an idle engine
+holding open requests `stalled`, and once new clients cannot reach its socket file
+`unreachable` (status, /health, systemd's STATUS). No torch is imported
 here.
 """
 
@@ -56,14 +57,15 @@ class HealthWatch:
 
     Reads the front's `status`, its request `table` and `connections` (how many), and the
     `scheduler`'s process; tells systemd through `lifecycle`; asks the scheduler with
-    `probe()` and learns from `stalled_ids()` which open requests an idle engine holds. A
+    `probe()`, learns from `stalled_ids()` which open requests an idle engine holds and
+    from `unreachable()` why new clients cannot connect ("": they can; socket_watch.py). A
     start-up without Ready ends in `fail`, and so does a hang, after the dump of the
     scheduler's stacks (a task, run through `spawn`)."""
 
     def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
                  connections: Sized, lifecycle: Lifecycle, scheduler: SchedulerHandle, *,
                  probe: Callable[[], None], stalled_ids: Callable[[], list[str]],
-                 spawn: Spawn, fail: Fail) -> None:
+                 unreachable: Callable[[], str], spawn: Spawn, fail: Fail) -> None:
         self.config = config
         self.status = status
         self.table = table
@@ -72,6 +74,7 @@ class HealthWatch:
         self.scheduler = scheduler
         self.probe = probe
         self.stalled_ids = stalled_ids
+        self.unreachable = unreachable
         self.spawn = spawn
         self.fail = fail
         now = time.monotonic()
@@ -160,6 +163,9 @@ class HealthWatch:
             self.was_degraded = True
             self.lifecycle.stalled(f"the engine runs no step while it holds "
                                    f"{len(stalled)} open requests ({', '.join(stalled[:5])})")
+        elif self.unreachable():
+            self.was_degraded = True
+            self.lifecycle.unreachable(self.unreachable())
         elif self.was_degraded:
             self.was_degraded = False
             self.lifecycle.serving(self.summary())
@@ -184,9 +190,12 @@ class HealthWatch:
         """The state status and /health report: the lifecycle's; `unresponsive` while the
         scheduler owes an answer (the hang watchdog fails the daemon if it stays so);
         `stalled` while the last answer showed an idle engine holding open requests (they
-        end after the hang timeout: daemon/reconcile.py)."""
+        end after the hang timeout: daemon/reconcile.py); `unreachable` once the socket file
+        clients connect to is gone and could not be re-created (socket_watch.py)."""
         if self.is_unresponsive:
             return "unresponsive"
         if self.status.state is State.READY and self.stalled_ids():
             return "stalled"
+        if self.status.state is State.READY and self.unreachable():
+            return "unreachable"
         return self.status.state.value

@@ -79,6 +79,10 @@ class Lifecycle:
         the reconciliation ends those requests after the hang timeout."""
         self._status(f"stalled: {detail}")
 
+    def unreachable(self, detail: str) -> None:
+        """New clients cannot connect: the socket file is gone (status `unreachable`)."""
+        self._status(f"unreachable: {detail}")
+
     def draining(self, num_open: int, timeout_s: float) -> None:
         self.is_draining = True
         self.notifier.stopping()

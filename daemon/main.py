@@ -32,6 +32,7 @@ from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
 from specd.daemon.http.listener import open_http_listener
 from specd.daemon.lifecycle import Lifecycle
 from specd.daemon.sdnotify import Notifier
+from specd.daemon.socket_watch import SocketWatch
 from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
@@ -266,6 +267,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
                                         backlog=config.max_connections)
     except (OSError, ValueError, SocketInUseError) as exc:
         return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
+    socket_watch = SocketWatch(listener, owns_path, config.socket_mode, config.max_connections)
     restarts = _read_restart_count(config.restart_count_path)
 
     async def serve() -> int:
@@ -273,7 +275,8 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         # the scheduler: a failure there is the host's configuration (a directory that
         # cannot be made or written, a path too long for a socket), not a bug.
         try:
-            front = Front(config, lifecycle, tokenizer, listener, http_listener, restarts)
+            front = Front(config, lifecycle, tokenizer, listener, socket_watch, http_listener,
+                          restarts)
         except (OSError, zmq.ZMQError) as exc:
             return _config_failure(
                 lifecycle, f"cannot start the scheduler (link directory under "
@@ -286,8 +289,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         listener.close()
         if http_listener is not None:
             http_listener.sock.close()
-        if owns_path:
-            config.socket_path.unlink(missing_ok=True)
+        socket_watch.remove_if_ours()
     if code == EXIT_SCHEDULER_FAILED:
         _write_restart_count(config.restart_count_path, restarts + 1)
     log_event(log, logging.INFO, "exit", f"specd exits with status {code}", exit_code=code)

@@ -41,9 +41,11 @@ def check_local_install() -> CheckResult:
 
 def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
     if status is None:
+        gone = ("; if specd runs (systemctl status specd) its socket file was removed: "
+                "systemctl restart specd.socket specd" if "No such file" in error else "")
         return CheckResult("daemon", False, error, "start it (specd or systemctl start specd) "
                            "and check --socket / $SPECD_SOCKET; why a run ended: "
-                           "journalctl -u specd -o cat | specctl doctor --log -")
+                           "journalctl -u specd -o cat | specctl doctor --log -" + gone)
     ok = status.state == "ready"
     engine = status.engine
     silent = (f"; {engine['error']}, process {engine.get('scheduler_pid')} is "
