@@ -116,6 +116,23 @@ def setup_logging(log_format: str, level: str) -> None:
     root.setLevel(level.upper())
 
 
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` as one line of at most about `limit` characters, for status: whitespace
+    (newlines included) collapsed, and a longer text cut at the end of a word, `...`
+    marking the cut. A first word longer than `limit` is kept whole: never cut inside a
+    word. The whole text belongs in the log record."""
+    words = text.split()
+    line = " ".join(words)
+    if len(line) <= limit:
+        return line
+    kept = [words[0]]
+    for word in words[1:]:
+        if len(" ".join(kept)) + 1 + len(word) + 4 > limit:
+            break
+        kept.append(word)
+    return " ".join(kept) + " ..."
+
+
 def log_event(logger: logging.Logger, level: int, event: str, message: str,
               exc_info: Any = None, **fields: Any) -> None:
     """One record for one event: `event` and `fields` become structured fields."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
+from specd.logs import one_line
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.engine.batch import PromptLogprobs, ScheduledBatch, TokenLogprobs
 from specd.workers.engine.isolation import Isolation, describe
@@ -366,7 +367,8 @@ class EngineCore:
             spec_measured_tok_s=controller.measured_table(),
             num_step_failures=self.isolation.num_step_failures,
             num_requests_failed=self.isolation.num_requests_failed,
-            fallbacks={f.name: f.reason for f in self.runner.backend.fallbacks()},
+            # One line each, cut at a word if long (the record of each has it whole).
+            fallbacks={f.name: one_line(f.reason) for f in self.runner.backend.fallbacks()},
             vocab_size=self.model_config.vocab_size,
             spec_threshold=None if self.spec is None else self.spec.controller.threshold,
             spec_resume_at=None if self.spec is None else self.spec.controller.resume_at,
