@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specd.logs import setup_logging
+from specd.logs import inherited_log_format, setup_logging
 from specd.workers.config import EngineConfig
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.loader import load_model
@@ -77,7 +77,7 @@ def run_worker(spec: RankSpec, conn: Connection) -> None:
     from specd.workers.process.parent import die_with_parent
 
     die_with_parent(spec.parent_pid)
-    setup_logging("json", spec.log_level)
+    setup_logging(inherited_log_format(), spec.log_level)  # rank 0's console format
     torch.set_num_threads(spec.num_threads)
     config = spec.config
     world = config.tensor_parallel_size
