@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import socket
 import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
+
+import aiohttp
 
 from specd import provenance
 from specd.daemon.config import DaemonConfig
@@ -32,6 +35,8 @@ from specd.daemon.health_watch import HealthWatch, probe_interval_s
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import Metrics
 from specd.daemon.http.server import HttpServer
+from specd.daemon.http_warmup import HttpWarmUpFailed, local_host, warm_up_http
+from specd.daemon.http_warmup import cases as http_cases
 from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import Lifecycle, State
 from specd.daemon.reconcile import Reconciler
@@ -113,6 +118,13 @@ class Front:
                                self.scheduler, self.queries, self.health, self.problems,
                                self.fallbacks, reconcile=self.reconciler.probe,
                                spawn=self.spawn, begin_drain=self.begin_drain)
+        self.tokenizer = tokenizer
+        # The warm-up's requests carry this token: the only ones admitted before READY.
+        self.warmup_token = secrets.token_hex(16)
+        self.http = None if http_listener is None else HttpServer(
+            config, http_listener, self.status, self.counters, self.metrics, self.requests,
+            self.control, self.health, self.fallbacks, new_connection_id=self.new_connection_id,
+            warmup_token=self.warmup_token)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -120,12 +132,8 @@ class Front:
         """Serve until drained or failed; returns the process exit code."""
         loop = asyncio.get_running_loop()
         await self._serve(self.listener)
-        http = None
-        if self.http_listener is not None:
-            http = HttpServer(self.config, self.http_listener, self.status, self.counters,
-                              self.metrics, self.requests, self.control, self.health,
-                              new_connection_id=self.new_connection_id)
-            await http.start()
+        if self.http is not None:
+            await self.http.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         self.scheduler.watch_exit(self._on_scheduler_exit)
@@ -137,8 +145,8 @@ class Front:
         for connection in list(self.connections.values()):
             connection.close("daemon exiting")
         await asyncio.sleep(0.05)  # let the transports flush their last frames
-        if http is not None:
-            await http.close()  # the requests have ended; their handlers finish writing
+        if self.http is not None:
+            await self.http.close()  # the requests have ended; their handlers finish writing
         for task in background + list(self._tasks):
             task.cancel()
         self.requests.close()
@@ -244,14 +252,16 @@ class Front:
         log_event(log, logging.INFO, "stopped", "daemon stopped", scheduler_returncode=returncode)
         self._finish_run(EXIT_OK)
 
-    def fail(self, code: int, cause: str, traceback: str | None = None) -> None:
-        """The scheduler is gone or useless: error every open request, log once, exit."""
+    def fail(self, code: int, cause: str, traceback: str | None = None,
+             event: str = "scheduler_failed") -> None:
+        """The scheduler is gone or useless (or, `event` saying so, the front's own
+        start-up failed): error every open request, log once, exit."""
         if self.status.state is State.FAILED or self.is_stopping:
             return
         self.status.state = State.FAILED
         self.lifecycle.failed(cause)
         open_requests = list(self.table)
-        log_event(log, logging.ERROR, "scheduler_failed", cause, exit_code=code,
+        log_event(log, logging.ERROR, event, cause, exit_code=code,
                   scheduler_pid=self.scheduler.pid, open_requests=len(open_requests),
                   scheduler_traceback=traceback)
         for request in open_requests:
@@ -341,11 +351,49 @@ class Front:
                        f"(scheduler modules: {ready.modules.get('specd')})")
             return
         self.status.ready = ready
-        if self.status.state is State.STARTING:
-            self.status.state = State.READY
+        self.health.progressed()
+        if self.http is None or self.http_listener is None:
+            self._become_ready(ready, 0.0)
+            return
+        self.status.scheduler_stage = "http warm-up"
+        self.lifecycle.starting("front: http warm-up")
+        self.spawn(self._warm_up_http(ready, self.http.model, self.http_listener))
+
+    async def _warm_up_http(self, ready: m.Ready, model: str, listener: HttpListener) -> None:
+        """Every HTTP path once, through the request flow, before READY (http_warmup.py);
+        its requests leave no figures behind. A path that fails is a bug: exit 70."""
+        host, port = listener.address
+        keys = listener.api_keys
+        saved = Counter(self.counters)
+        started = time.monotonic()
+        all_cases = http_cases(model, bool(self.tokenizer.chat_templates.templates),
+                               int(ready.resolved["max_model_len"]))
+        try:
+            await warm_up_http(local_host(host), port, keys[0] if keys else None,
+                               self.warmup_token, all_cases, self.config.max_pending_requests)
+        except (HttpWarmUpFailed, aiohttp.ClientError, TimeoutError) as exc:
+            self.fail(EXIT_SOFTWARE, f"HTTP warm-up failed: {exc}", event="http_warmup_failed")
+            return
+        # Its requests' counts go (not an incident seen meanwhile), and the engine's figures.
+        for key, count in (self.counters - saved).items():
+            if key not in self.problems.last and key not in self.fallbacks.last:
+                self.counters[key] -= count
+                if not self.counters[key]:
+                    del self.counters[key]
+        try:
+            self.scheduler.send(m.ForgetFigures())
+        except LinkSendError as exc:
+            log_event(log, logging.WARNING, "forget_figures", f"not sent: {exc}")
+        self._become_ready(ready, time.monotonic() - started)
+
+    def _become_ready(self, ready: m.Ready, http_warmup_s: float) -> None:
+        if self.status.state is not State.STARTING:
+            return  # a drain or a failure came first
+        self.status.state = State.READY
         self.health.progressed()
         log_event(log, logging.INFO, "ready", "scheduler ready", resolved=ready.resolved,
-                  warmup_s=round(ready.warmup_s, 3), scheduler_pid=ready.pid)
+                  warmup_s=round(ready.warmup_s, 3), http_warmup_s=round(http_warmup_s, 3),
+                  scheduler_pid=ready.pid)
         self.lifecycle.ready(f"model {ready.resolved.get('model_name')}")
 
     # ---- clients -> front --------------------------------------------------------------

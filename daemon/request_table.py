@@ -30,7 +30,7 @@ class OpenRequest:
 
     def __init__(self, request_id: str, client_id: int, peer: Peer,
                  detokenizer: IncrementalDetokenizer, stream: bool, num_prompt_tokens: int,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, is_warmup: bool = False) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.peer = peer
@@ -38,6 +38,7 @@ class OpenRequest:
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens
         self.want_logprobs = want_logprobs
+        self.is_warmup = is_warmup  # the front's own warm-up request (daemon/http_warmup.py)
         self.started = time.monotonic()
         self.deadline: asyncio.TimerHandle | None = None
         # Output not yet sent to the client (all of it when not streaming).

@@ -335,12 +335,18 @@ class Reconcile(_Link, frozen=True, tag="reconcile"):
     query_id: int
 
 
+class ForgetFigures(_Link, frozen=True, tag="forget"):
+    """Zero the engine's figures (steps, tokens, drafts, speculation's measurements): sent
+    once the front's own warm-up requests are done, before READY (daemon/http_warmup.py)."""
+
+
 class Shutdown(_Link, frozen=True, tag="shutdown"):
     pass
 
 
 ToScheduler = (
-    AddRequest | AbortRequests | SetSpecMode | QueryStats | Reconcile | Shutdown
+    AddRequest | AbortRequests | SetSpecMode | QueryStats | Reconcile | ForgetFigures
+    | Shutdown
 )
 
 

@@ -65,6 +65,7 @@ TO_SCHEDULER = [
     m.SetSpecMode(query_id=1, mode="off"),
     m.QueryStats(query_id=2),
     m.Reconcile(query_id=4),
+    m.ForgetFigures(),
     m.Shutdown(),
 ]
 FROM_SCHEDULER = [

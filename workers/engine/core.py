@@ -338,9 +338,16 @@ class EngineCore:
         path fails start-up with its own exception, not the first request that takes it.
         Its steps are not the workload: the figures status reports start from zero."""
         warm_up(self)
+        self.forget_figures()
+
+    def forget_figures(self) -> None:
+        """Zero the figures status reports (steps, tokens, drafts, speculation's
+        measurements): after warm-up, the engine's and the front's (whose requests are not
+        the workload either). Mode and marks stay."""
         self._num_steps = 0
         self._num_generated = 0
         self.worker.figures.reset()
+        self.worker.controller.forget_measurements()
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager

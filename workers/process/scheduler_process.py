@@ -151,6 +151,8 @@ class EngineLoop:
         elif isinstance(message, m.QueryStats):
             stats = dataclasses.asdict(self.core.stats())
             self.io.send(m.QueryReply(message.query_id, stats))
+        elif isinstance(message, m.ForgetFigures):
+            self.core.forget_figures()
         elif isinstance(message, m.Reconcile):
             self.io.send(m.Holding(message.query_id, self.core.request_ids(),
                                    time.monotonic() - self.last_moved))
