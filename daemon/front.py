@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -67,12 +67,13 @@ class Front:
 
     http_listener: the HTTP API's bound port (None: HTTP off). scheduler_restarts: how
     often this service already exited for a failed scheduler (`scheduler_restarts` in
-    the front's counters)."""
+    the front's counters). tokenizer_misfits: the evidence that the tokenizer is another
+    model's (specd/model_fit.py), a problem from the start."""
 
     def __init__(self, config: DaemonConfig, lifecycle: Lifecycle, tokenizer: Tokenizer,
                  listener: socket.socket, socket_watch: SocketWatch,
-                 http_listener: HttpListener | None = None, scheduler_restarts: int = 0
-                 ) -> None:
+                 http_listener: HttpListener | None = None, scheduler_restarts: int = 0,
+                 tokenizer_misfits: Sequence[str] = ()) -> None:
         self.config = config
         self.lifecycle = lifecycle
         self.listener = listener
@@ -102,6 +103,8 @@ class Front:
         # socket file) and its degraded parts (an HTTP handler that raised).
         self.problems = Incidents(self.counters)
         self.fallbacks = Incidents(self.counters)
+        if tokenizer_misfits:  # found before the front was built, logged there
+            self.problems.record("tokenizer_misfit", "; ".join(tokenizer_misfits))
         self.requests = RequestFlow(config, tokenizer, self.status, self.table, self.counters,
                                     self.metrics.latency, self.scheduler, spawn=self.spawn,
                                     note_progress=self._note_progress,

@@ -36,7 +36,7 @@ from specd.daemon.socket_watch import SocketWatch
 from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
-from specd.model_fit import check_vocabulary
+from specd.model_fit import check_vocabulary, declared_special_ids, tokenizer_misfits
 from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, EngineConfig
 from specd.workers.models.config import ModelConfig
@@ -249,6 +249,13 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         model_config.served_len(config.engine.max_model_len)  # the limit, a sliding window
     except (OSError, ValueError) as exc:
         return _config_failure(lifecycle, f"bad model: {exc}")
+    # Fits, but may be another model's: named (a record, a problem in status), not refused.
+    misfits = tokenizer_misfits(tokenizer, model_config.vocab_size,
+                                declared_special_ids(config.engine.model_path))
+    if misfits:
+        log_event(log, logging.WARNING, "tokenizer_misfit", f"the tokenizer of "
+                  f"{config.engine.model_path} looks like another model's: "
+                  + "; ".join(misfits), evidence=misfits)
     if model_reason != "--model":  # say which model the default is, and why
         log_event(log, logging.INFO, "model_chosen", f"serving {config.engine.model} "
                   f"({config.engine.model_path}): {model_reason}", model=config.engine.model,
@@ -276,7 +283,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         # cannot be made or written, a path too long for a socket), not a bug.
         try:
             front = Front(config, lifecycle, tokenizer, listener, socket_watch, http_listener,
-                          restarts)
+                          restarts, tokenizer_misfits=misfits)
         except (OSError, zmq.ZMQError) as exc:
             return _config_failure(
                 lifecycle, f"cannot start the scheduler (link directory under "

@@ -88,6 +88,8 @@ PROBLEM_ADVICE = {
     "spec_acceptance_low": "the draft head's drafts are rarely accepted: check that "
                            "--draft-model is the head trained for this model (and its "
                            "tokenizer); speculation costs more than it gives",
+    "tokenizer_misfit": "the model directory's tokenizer looks like another model's: check "
+                        "tokenizer.json / tokenizer_config.json against the model's own",
 }
 
 

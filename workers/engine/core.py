@@ -30,6 +30,7 @@ from specd.workers.engine.setup import build_worker, engine_resolved, log_switch
 from specd.workers.engine.warmup import warm_up
 from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.driver import RankFailed
+from specd.workers.spec.acceptance_watch import AcceptanceWatch
 from specd.workers.spec.worker import SpeculativeWorker
 
 log = logging.getLogger("specd.engine")
@@ -73,6 +74,9 @@ class EngineCore:
         self._num_steps = 0
         self._num_generated = 0
         self.isolation = Isolation()
+        # Whether speculation pays (a head of another model drafts nothing useful); the
+        # plain worker's figures stay zero, and its depth is 0: never judged.
+        self.acceptance = AcceptanceWatch(len(self.worker.figures.accepted_at_depth))
         self._outbox: list[RequestDelta] = []  # the deltas of the step call in progress
         # The batches that call scheduled or resolved: the failed step(s) if it raises.
         self._attempted: list[ScheduledBatch] = []
@@ -243,6 +247,8 @@ class EngineCore:
                          for seq in updated]
         speculated = self.worker.ran_speculating(pending, overlapped)  # before the decision
         log_switch(self.worker.update_controller(self.scheduler.num_running))
+        figures = self.worker.figures
+        self.acceptance.observe(figures.num_verify_passes, figures.num_accepted)
         step_s = self._step_time(launched.t0)
         # Every step is a sample of the state it ran in, prefill and all (drafting for the
         # next step included): what a mode yields is its regime's throughput, request
@@ -348,6 +354,7 @@ class EngineCore:
         self._num_generated = 0
         self.worker.figures.reset()
         self.worker.controller.forget_measurements()
+        self.acceptance.reset()
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -377,6 +384,7 @@ class EngineCore:
             # One line each, cut at a word if long (the record of each has it whole).
             fallbacks={f.name: one_line(f.reason) for f in self.runner.backend.fallbacks()},
             vocab_size=self.model_config.vocab_size,
+            problems=self.acceptance.problems(),
             spec_threshold=None if self.spec is None else self.spec.controller.threshold,
             spec_resume_at=None if self.spec is None else self.spec.controller.resume_at,
         )
