@@ -10,8 +10,7 @@ answers but does not step is the reconciliation's business: `stalled`). A hang a
 scheduler's stacks and fails the daemon with them (exit 75). While the scheduler owes an
 answer the daemon reports `unresponsive`, while the last answer showed an idle engine
 holding open requests `stalled`, and once new clients cannot reach its socket file
-`unreachable` (status, /health, systemd's STATUS). No torch is imported
-here.
+`unreachable` (status, /health, systemd's STATUS). No torch is imported here.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class HealthWatch:
         self.last_progress = now
         self.last_heard = now  # the scheduler's last message of any kind
         self.last_probe = 0.0
-        self.was_degraded = False  # STATUS said unresponsive or stalled (and must say serving)
+        self.was_degraded = False  # STATUS said unresponsive, stalled or unreachable
         self.last_watchdog = 0.0
         self.last_extend = now
         self.is_hung = False
@@ -150,7 +149,8 @@ class HealthWatch:
 
     def _report_responsiveness(self) -> None:
         """STATUS=unresponsive while the scheduler owes an answer, stalled while an idle
-        engine holds open requests, serving again after."""
+        engine holds open requests, unreachable once the socket file is gone, serving again
+        after."""
         if self.status.state is not State.READY:
             return
         stalled = self.stalled_ids()
