@@ -36,7 +36,8 @@ def test_a_head_below_the_floor_from_its_first_window_is_named_once(
     _feed(watch, state, 3 * WINDOW + 1, 0.0)
     (record,) = _records(caplog, "spec_acceptance_low")
     assert record.levelno == logging.WARNING
-    assert (record.acceptance, record.first_acceptance, record.depth) == (0.0, 0.0, DEPTH)
+    assert (vars(record)["acceptance"], vars(record)["first_acceptance"],
+            vars(record)["depth"]) == (0.0, 0.0, DEPTH)
     (problem,) = watch.problems().values()
     assert problem.startswith("the draft head's drafts are rarely accepted: 0.0% of the 4 "
                               "draft positions per verify over the last 100 verifies")
