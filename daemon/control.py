@@ -24,6 +24,7 @@ from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.front_status import FrontStatus, Spawn
 from specd.daemon.health_watch import HealthWatch
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import State
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
@@ -41,14 +42,17 @@ OPERATOR_ONLY = (m.SetSpec, m.Drain, m.Stop)
 
 class Control:
     """Answers `ControlMessage`s. Reads the front's `status`, its request `table`, its
-    `connections` (how many) and `counters`; asks the scheduler through `queries` and reads
-    its process through `scheduler`; the state it reports is `health`'s. Its handlers run
-    through `spawn`; a drain or stop is the front's `begin_drain(timeout_s, reason)`."""
+    `connections` (how many), `counters`, `problems` and `fallbacks`; asks the scheduler
+    through `queries` (after the question of `reconcile()`, whose answer is settled before
+    the figures arrive: a lost request has ended when they are read) and reads its process
+    through `scheduler`; the state it reports is `health`'s. Its handlers run through
+    `spawn`; a drain or stop is the front's `begin_drain(timeout_s, reason)`."""
 
     def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
                  connections: Sized, counters: Counter[str], scheduler: SchedulerHandle,
-                 queries: SchedulerQueries, health: HealthWatch, *, spawn: Spawn,
-                 begin_drain: Callable[[float, str], None]) -> None:
+                 queries: SchedulerQueries, health: HealthWatch, problems: Incidents,
+                 fallbacks: Incidents, *, reconcile: Callable[[], None],
+                 spawn: Spawn, begin_drain: Callable[[float, str], None]) -> None:
         self.config = config
         self.status = status
         self.table = table
@@ -57,8 +61,12 @@ class Control:
         self.scheduler = scheduler
         self.queries = queries
         self.health = health
+        self.problems = problems
+        self.fallbacks = fallbacks
+        self.reconcile = reconcile
         self.spawn = spawn
         self.begin_drain = begin_drain
+        self._num_in_flight: Counter[int] = Counter()  # connection id -> replies it awaits
 
     def handle(self, connection: Connection, message: ControlMessage) -> None:
         """Answer at once or through a task; never raises for a client's mistake."""
@@ -89,9 +97,15 @@ class Control:
                        reply: Callable[[Connection, int], Coroutine[Any, Any, None]]) -> None:
         self.spawn(self._guarded(connection, client_id, reply(connection, client_id)))
 
+    def is_answering(self, connection_id: int) -> bool:
+        """Whether a reply to the connection is still being prepared (a query waiting on
+        the scheduler): the connection is not idle meanwhile."""
+        return self._num_in_flight[connection_id] > 0
+
     async def _guarded(self, connection: Connection, client_id: int,
                        coro: Coroutine[Any, Any, None]) -> None:
         """Run a query handler; a bug in it answers internal_error instead of vanishing."""
+        self._num_in_flight[connection.connection_id] += 1
         try:
             await coro
         except Exception:  # noqa: BLE001 - reported to the client and the log
@@ -99,6 +113,10 @@ class Control:
                           extra={"event": "internal_error",
                                  "connection": connection.connection_id})
             connection.reject(client_id, "internal_error", "internal error; see the log")
+        finally:
+            self._num_in_flight[connection.connection_id] -= 1
+            if not self._num_in_flight[connection.connection_id]:
+                del self._num_in_flight[connection.connection_id]
 
     async def _engine_stats(self) -> dict[str, Any]:
         """The scheduler's figures; while it does not answer (or its process is stopped,
@@ -109,6 +127,10 @@ class Control:
         error = "the scheduler did not answer"
         if not scheduler.is_stopped:
             try:
+                # The reconciliation's question first: its answer comes, and is settled,
+                # before the figures (the link keeps order), so a lost request has ended
+                # when the reply is written.
+                self.reconcile()
                 return (await self.queries.ask(lambda q: m.QueryStats(q))).result
             except (TimeoutError, LinkSendError) as exc:
                 error += f" ({type(exc).__name__} after {QUERY_TIMEOUT_S:g} s)"
@@ -140,6 +162,8 @@ class Control:
                     "modules": ready.modules, "packages": ready.packages},
             },
             config=msgspec.to_builtins(self.config, enc_hook=str),
+            problems=self.problems.summary(),
+            fallbacks=self.fallbacks.summary(),
         ))
 
     async def _reply_stats(self, connection: Connection, query_id: int) -> None:

@@ -17,27 +17,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
+
+import aiohttp
 
 from specd import provenance
 from specd.daemon.config import DaemonConfig
 from specd.daemon.control import Control
 from specd.daemon.front_status import FrontStatus
-from specd.daemon.health_watch import HealthWatch
+from specd.daemon.health_watch import HealthWatch, probe_interval_s
 from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import Metrics
 from specd.daemon.http.server import HttpServer
+from specd.daemon.http_warmup import HttpWarmUpFailed, local_host, warm_up_http
+from specd.daemon.http_warmup import cases as http_cases
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import Lifecycle, State
+from specd.daemon.reconcile import Reconciler
 from specd.daemon.request_flow import RequestFlow
 from specd.daemon.request_table import RequestTable
 from specd.daemon.scheduler_handle import SchedulerHandle
 from specd.daemon.scheduler_queries import SchedulerQueries
 from specd.daemon.server import Connection, start_server
+from specd.daemon.socket_watch import SocketWatch
 from specd.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc import messages as m
 from specd.ipc.framing import FrameCodec
@@ -59,14 +67,18 @@ class Front:
 
     http_listener: the HTTP API's bound port (None: HTTP off). scheduler_restarts: how
     often this service already exited for a failed scheduler (`scheduler_restarts` in
-    the front's counters)."""
+    the front's counters). tokenizer_misfits: the evidence that the tokenizer is another
+    model's (specd/model_fit.py), a problem from the start."""
 
     def __init__(self, config: DaemonConfig, lifecycle: Lifecycle, tokenizer: Tokenizer,
-                 listener: socket.socket, http_listener: HttpListener | None = None,
-                 scheduler_restarts: int = 0) -> None:
+                 listener: socket.socket, socket_watch: SocketWatch,
+                 http_listener: HttpListener | None = None, scheduler_restarts: int = 0,
+                 tokenizer_misfits: Sequence[str] = ()) -> None:
         self.config = config
         self.lifecycle = lifecycle
         self.listener = listener
+        self.socket_watch = socket_watch  # the listener's file (a re-bound one is served too)
+        self.servers: list[asyncio.Server] = []
         self.http_listener = http_listener
         self.codec: FrameCodec[m.ClientMessage] = FrameCodec(
             m.ClientMessage, config.max_frame_bytes, nil_is_default=True)
@@ -87,41 +99,57 @@ class Front:
         log_event(log, logging.INFO, "scheduler_spawned", "scheduler process started",
                   scheduler_pid=self.scheduler.pid, code_version=self.code_version)
         self.queries = SchedulerQueries(self.scheduler)
-        self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
-                                  self.scheduler, probe=self.queries.probe, spawn=self.spawn,
-                                  fail=self.fail)
+        # What an operator must act on: the front's problems (a lost request, a removed
+        # socket file) and its degraded parts (an HTTP handler that raised).
+        self.problems = Incidents(self.counters)
+        self.fallbacks = Incidents(self.counters)
+        if tokenizer_misfits:  # found before the front was built, logged there
+            self.problems.record("tokenizer_misfit", "; ".join(tokenizer_misfits))
         self.requests = RequestFlow(config, tokenizer, self.status, self.table, self.counters,
                                     self.metrics.latency, self.scheduler, spawn=self.spawn,
-                                    note_progress=self.health.progressed,
+                                    note_progress=self._note_progress,
                                     check_drained=self.check_drained)
+        self.reconciler = Reconciler(self.table, self.requests, self.queries, self.problems,
+                                     idle_after_s=probe_interval_s(config),
+                                     stall_timeout_s=config.hang_timeout_s)
+        self.health = HealthWatch(config, self.status, self.table, self.connections, lifecycle,
+                                  self.scheduler, probe=self.reconciler.probe,
+                                  stalled_ids=self.reconciler.stalled_ids,
+                                  unreachable=lambda: socket_watch.lost, spawn=self.spawn,
+                                  fail=self.fail)
         self.control = Control(config, self.status, self.table, self.connections, self.counters,
-                               self.scheduler, self.queries, self.health, spawn=self.spawn,
-                               begin_drain=self.begin_drain)
+                               self.scheduler, self.queries, self.health, self.problems,
+                               self.fallbacks, reconcile=self.reconciler.probe,
+                               spawn=self.spawn, begin_drain=self.begin_drain)
+        self.tokenizer = tokenizer
+        # The warm-up's requests carry this token: the only ones admitted before READY.
+        self.warmup_token = secrets.token_hex(16)
+        self.http = None if http_listener is None else HttpServer(
+            config, http_listener, self.status, self.counters, self.metrics, self.requests,
+            self.control, self.health, self.fallbacks, new_connection_id=self.new_connection_id,
+            warmup_token=self.warmup_token)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self) -> int:
         """Serve until drained or failed; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        server = await start_server(self._on_connection, self.listener, self.config)
-        http = None
-        if self.http_listener is not None:
-            http = HttpServer(self.config, self.http_listener, self.status, self.counters,
-                              self.metrics, self.requests, self.control, self.health,
-                              new_connection_id=self.new_connection_id)
-            await http.start()
+        await self._serve(self.listener)
+        if self.http is not None:
+            await self.http.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         self.scheduler.watch_exit(self._on_scheduler_exit)
         self.lifecycle.starting("scheduler: spawn")
         background = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
         await self._done.wait()
-        server.close()
+        for server in self.servers:
+            server.close()
         for connection in list(self.connections.values()):
             connection.close("daemon exiting")
         await asyncio.sleep(0.05)  # let the transports flush their last frames
-        if http is not None:
-            await http.close()  # the requests have ended; their handlers finish writing
+        if self.http is not None:
+            await self.http.close()  # the requests have ended; their handlers finish writing
         for task in background + list(self._tasks):
             task.cancel()
         self.requests.close()
@@ -138,6 +166,9 @@ class Front:
         self._next_connection_id += 1
         return self._next_connection_id
 
+    def _note_progress(self) -> None:
+        self.health.progressed()
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task, cancelled when the front exits."""
         task = asyncio.create_task(coro)
@@ -152,10 +183,17 @@ class Front:
             return
         self.begin_drain(self.config.drain_timeout_s, f"{name} received")
 
+    async def _serve(self, listener: socket.socket) -> None:
+        self.servers.append(await start_server(self._on_connection, listener, self.config))
+
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self.health.check(time.monotonic())
+            now = time.monotonic()
+            self.health.check(now)
+            rebound = self.socket_watch.check(now, self.problems)
+            if rebound is not None:
+                self.spawn(self._serve(rebound))
 
     def begin_drain(self, timeout_s: float, reason: str) -> None:
         """Stop accepting; end when the open requests are done or `timeout_s` passed. During
@@ -217,14 +255,16 @@ class Front:
         log_event(log, logging.INFO, "stopped", "daemon stopped", scheduler_returncode=returncode)
         self._finish_run(EXIT_OK)
 
-    def fail(self, code: int, cause: str, traceback: str | None = None) -> None:
-        """The scheduler is gone or useless: error every open request, log once, exit."""
+    def fail(self, code: int, cause: str, traceback: str | None = None,
+             event: str = "scheduler_failed") -> None:
+        """The scheduler is gone or useless (or, `event` saying so, the front's own
+        start-up failed): error every open request, log once, exit."""
         if self.status.state is State.FAILED or self.is_stopping:
             return
         self.status.state = State.FAILED
         self.lifecycle.failed(cause)
         open_requests = list(self.table)
-        log_event(log, logging.ERROR, "scheduler_failed", cause, exit_code=code,
+        log_event(log, logging.ERROR, event, cause, exit_code=code,
                   scheduler_pid=self.scheduler.pid, open_requests=len(open_requests),
                   scheduler_traceback=traceback)
         for request in open_requests:
@@ -270,6 +310,9 @@ class Front:
                 self.requests.on_delta(delta)
         elif isinstance(message, m.QueryReply):
             self.queries.on_reply(message)
+        elif isinstance(message, m.Holding):
+            self.health.progressed()  # the loop answers between steps: not hung
+            self.reconciler.on_holding(message)
         elif isinstance(message, m.RequestRejected):
             self.requests.on_rejected(message)
         elif isinstance(message, m.StartupStage):
@@ -311,11 +354,49 @@ class Front:
                        f"(scheduler modules: {ready.modules.get('specd')})")
             return
         self.status.ready = ready
-        if self.status.state is State.STARTING:
-            self.status.state = State.READY
+        self.health.progressed()
+        if self.http is None or self.http_listener is None:
+            self._become_ready(ready, 0.0)
+            return
+        self.status.scheduler_stage = "http warm-up"
+        self.lifecycle.starting("front: http warm-up")
+        self.spawn(self._warm_up_http(ready, self.http.model, self.http_listener))
+
+    async def _warm_up_http(self, ready: m.Ready, model: str, listener: HttpListener) -> None:
+        """Every HTTP path once, through the request flow, before READY (http_warmup.py);
+        its requests leave no figures behind. A path that fails is a bug: exit 70."""
+        host, port = listener.address
+        keys = listener.api_keys
+        saved = Counter(self.counters)
+        started = time.monotonic()
+        all_cases = http_cases(model, bool(self.tokenizer.chat_templates.templates),
+                               int(ready.resolved["max_model_len"]))
+        try:
+            await warm_up_http(local_host(host), port, keys[0] if keys else None,
+                               self.warmup_token, all_cases, self.config.max_pending_requests)
+        except (HttpWarmUpFailed, aiohttp.ClientError, TimeoutError) as exc:
+            self.fail(EXIT_SOFTWARE, f"HTTP warm-up failed: {exc}", event="http_warmup_failed")
+            return
+        # Its requests' counts go (not an incident seen meanwhile), and the engine's figures.
+        for key, count in (self.counters - saved).items():
+            if key not in self.problems.last and key not in self.fallbacks.last:
+                self.counters[key] -= count
+                if not self.counters[key]:
+                    del self.counters[key]
+        try:
+            self.scheduler.send(m.ForgetFigures())
+        except LinkSendError as exc:
+            log_event(log, logging.WARNING, "forget_figures", f"not sent: {exc}")
+        self._become_ready(ready, time.monotonic() - started)
+
+    def _become_ready(self, ready: m.Ready, http_warmup_s: float) -> None:
+        if self.status.state is not State.STARTING:
+            return  # a drain or a failure came first
+        self.status.state = State.READY
         self.health.progressed()
         log_event(log, logging.INFO, "ready", "scheduler ready", resolved=ready.resolved,
-                  warmup_s=round(ready.warmup_s, 3), scheduler_pid=ready.pid)
+                  warmup_s=round(ready.warmup_s, 3), http_warmup_s=round(http_warmup_s, 3),
+                  scheduler_pid=ready.pid)
         self.lifecycle.ready(f"model {ready.resolved.get('model_name')}")
 
     # ---- clients -> front --------------------------------------------------------------
@@ -324,13 +405,11 @@ class Front:
                              writer: asyncio.StreamWriter) -> None:
         connection = Connection(self.new_connection_id(), reader, writer, self.codec,
                                 self.config, self.counters)
-        # Never admitted: told why, then closed.
+        # Never admitted: told why, then closed. While draining a connection is admitted
+        # for the operator's commands (status, a second drain, stop); a generate on it is
+        # refused `shutting_down` (request_flow.py).
         if len(self.connections) >= self.config.max_connections:
             await connection.refuse("overloaded", "too many connections")
-            return
-        if self.status.state is State.DRAINING:
-            await connection.refuse("shutting_down", "the daemon is draining; no new "
-                                    "connections")
             return
         self.connections[connection.connection_id] = connection
         await connection.serve(self)
@@ -340,7 +419,8 @@ class Front:
         self.requests.on_connection_closed(connection, reason)
 
     def has_open_requests(self, connection: Connection) -> bool:
-        return bool(self.table.of_connection(connection.connection_id))
+        return (bool(self.table.of_connection(connection.connection_id))
+                or self.control.is_answering(connection.connection_id))
 
     def on_large_frame(self) -> None:
         self.requests.prompts.release_memory_soon()

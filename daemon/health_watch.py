@@ -1,11 +1,16 @@
-"""The front's watch over the scheduler: start-up progress, hangs, and an idle scheduler
-that stops answering (`HealthWatch`, ticked by `Front` every TICK_S).
+"""The front's watch over the scheduler: start-up progress, hangs, an idle scheduler that
+stops answering, and an idle engine that holds open requests (`HealthWatch`, ticked by
+`Front` every TICK_S).
 
 Busy, a hang is no step output for the hang timeout; idle, no answer to the probes (an idle
-scheduler blocks on its inbox, so only a question shows that it still could answer). A hang
-asks for the scheduler's stacks and fails the daemon with them (exit 75). While the
-scheduler owes an answer the daemon reports `unresponsive` (status, /health, systemd's
-STATUS). No torch is imported here.
+scheduler blocks on its inbox, so only a question shows that it still could answer). The
+probe is the reconciliation's question (daemon/reconcile.py), sent every probe interval,
+busy or not; its answer counts as progress (the loop is alive between steps; an engine that
+answers but does not step is the reconciliation's business: `stalled`). A hang asks for the
+scheduler's stacks and fails the daemon with them (exit 75). While the scheduler owes an
+answer the daemon reports `unresponsive`, while the last answer showed an idle engine
+holding open requests `stalled`, and once new clients cannot reach its socket file
+`unreachable` (status, /health, systemd's STATUS). No torch is imported here.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ WATCHED_STAGES = ("load",)
 PROBE_ANSWER_S = 1.0  # an idle scheduler answers in milliseconds; later is unresponsive
 
 
+def probe_interval_s(config: DaemonConfig) -> float:
+    """How often the scheduler is asked (a third of the hang timeout, at most
+    PROBE_INTERVAL_S); also how long an engine holding requests may sit idle before the
+    daemon says `stalled`."""
+    return min(PROBE_INTERVAL_S, config.hang_timeout_s / 3)
+
+
 class Fail(Protocol):
     """The front's end on a dead or useless scheduler (`Front.fail`): every open request
     gets an error frame, then the front exits with `code`."""
@@ -43,13 +55,16 @@ class HealthWatch:
     as messages arrive.
 
     Reads the front's `status`, its request `table` and `connections` (how many), and the
-    `scheduler`'s process; tells systemd through `lifecycle`; asks an idle scheduler with
-    `probe()`. A start-up without Ready ends in `fail`, and so does a hang, after the dump
-    of the scheduler's stacks (a task, run through `spawn`)."""
+    `scheduler`'s process; tells systemd through `lifecycle`; asks the scheduler with
+    `probe()`, learns from `stalled_ids()` which open requests an idle engine holds and
+    from `unreachable()` why new clients cannot connect ("": they can; socket_watch.py). A
+    start-up without Ready ends in `fail`, and so does a hang, after the dump of the
+    scheduler's stacks (a task, run through `spawn`)."""
 
     def __init__(self, config: DaemonConfig, status: FrontStatus, table: RequestTable,
                  connections: Sized, lifecycle: Lifecycle, scheduler: SchedulerHandle, *,
-                 probe: Callable[[], None], spawn: Spawn, fail: Fail) -> None:
+                 probe: Callable[[], None], stalled_ids: Callable[[], list[str]],
+                 unreachable: Callable[[], str], spawn: Spawn, fail: Fail) -> None:
         self.config = config
         self.status = status
         self.table = table
@@ -57,13 +72,15 @@ class HealthWatch:
         self.lifecycle = lifecycle
         self.scheduler = scheduler
         self.probe = probe
+        self.stalled_ids = stalled_ids
+        self.unreachable = unreachable
         self.spawn = spawn
         self.fail = fail
         now = time.monotonic()
         self.last_progress = now
         self.last_heard = now  # the scheduler's last message of any kind
         self.last_probe = 0.0
-        self.was_unresponsive = False  # STATUS said so (and must say serving again)
+        self.was_degraded = False  # STATUS said unresponsive, stalled or unreachable
         self.last_watchdog = 0.0
         self.last_extend = now
         self.is_hung = False
@@ -89,8 +106,9 @@ class HealthWatch:
         is_busy = self.table.num_submitted > 0
         stalled_s = now - (self.last_progress if is_busy else self.last_heard)
         is_stalled = stalled_s > self.config.hang_timeout_s
-        if not is_busy:
-            self._probe_if_quiet(now)
+        if now - self.last_probe >= probe_interval_s(self.config):
+            self.last_probe = now
+            self.probe()
         self._report_responsiveness()
         if is_stalled and not self.is_hung:
             self.is_hung = True
@@ -129,26 +147,27 @@ class HealthWatch:
                   f"scheduler hung: {what}; process {scheduler.pid} is "
                   f"{scheduler.process_state()}", traceback=stacks)
 
-    def _probe_if_quiet(self, now: float) -> None:
-        """Ask the idle scheduler for its figures when it has been quiet for a probe
-        interval (a third of the hang timeout, at most PROBE_INTERVAL_S); its answer, like
-        any message, moves `last_heard`."""
-        interval = min(PROBE_INTERVAL_S, self.config.hang_timeout_s / 3)
-        if now - max(self.last_heard, self.last_probe) >= interval:
-            self.last_probe = now
-            self.probe()
-
     def _report_responsiveness(self) -> None:
-        """STATUS=unresponsive while the scheduler owes an answer, serving again after."""
+        """STATUS=unresponsive while the scheduler owes an answer, stalled while an idle
+        engine holds open requests, unreachable once the socket file is gone, serving again
+        after."""
         if self.status.state is not State.READY:
             return
+        stalled = self.stalled_ids()
         if self.is_unresponsive:
-            self.was_unresponsive = True
+            self.was_degraded = True
             self.lifecycle.unresponsive(f"the scheduler did not answer; process "
                                         f"{self.scheduler.pid} is "
                                         f"{self.scheduler.process_state()}")
-        elif self.was_unresponsive:
-            self.was_unresponsive = False
+        elif stalled:
+            self.was_degraded = True
+            self.lifecycle.stalled(f"the engine runs no step while it holds "
+                                   f"{len(stalled)} open requests ({', '.join(stalled[:5])})")
+        elif self.unreachable():
+            self.was_degraded = True
+            self.lifecycle.unreachable(self.unreachable())
+        elif self.was_degraded:
+            self.was_degraded = False
             self.lifecycle.serving(self.summary())
 
     def summary(self) -> str:
@@ -157,16 +176,26 @@ class HealthWatch:
 
     @property
     def is_unresponsive(self) -> bool:
-        """The scheduler owes an answer: a probe went unanswered for PROBE_ANSWER_S, or its
+        """The scheduler owes an answer: idle, a probe went unanswered for PROBE_ANSWER_S
+        (busy, a long step delays the answer: the hang watchdog judges that), or its
         process is stopped (SIGSTOP, a debugger)."""
         if self.status.state not in (State.READY, State.DRAINING):
             return False
-        unanswered = (self.last_probe > self.last_heard
+        unanswered = (self.table.num_submitted == 0 and self.last_probe > self.last_heard
                       and time.monotonic() - self.last_probe > PROBE_ANSWER_S)
         return unanswered or self.scheduler.is_stopped
 
     @property
     def reported_state(self) -> str:
-        """The state status and /health report: the lifecycle's, or `unresponsive` while
-        the scheduler owes an answer (the hang watchdog fails the daemon if it stays so)."""
-        return "unresponsive" if self.is_unresponsive else self.status.state.value
+        """The state status and /health report: the lifecycle's; `unresponsive` while the
+        scheduler owes an answer (the hang watchdog fails the daemon if it stays so);
+        `stalled` while the last answer showed an idle engine holding open requests (they
+        end after the hang timeout: daemon/reconcile.py); `unreachable` once the socket file
+        clients connect to is gone and could not be re-created (socket_watch.py)."""
+        if self.is_unresponsive:
+            return "unresponsive"
+        if self.status.state is State.READY and self.stalled_ids():
+            return "stalled"
+        if self.status.state is State.READY and self.unreachable():
+            return "unreachable"
+        return self.status.state.value

@@ -10,7 +10,7 @@ scheduler loads and warms up; READY=1 once, after Ready arrived and was accepted
 at the watchdog interval only while the scheduler makes progress (or is idle); STOPPING=1
 when a drain begins; a last STATUS naming the failure before a failing exit. While the
 scheduler does not answer, STATUS says `unresponsive: ...` until it does (or the hang
-timeout fails the daemon).
+timeout fails the daemon); while an idle engine holds open requests, `stalled: ...`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,15 @@ class Lifecycle:
         """The scheduler owes an answer (status `unresponsive`); STATUS says so at once,
         WATCHDOG=1 stops only at the hang timeout (`alive`)."""
         self._status(f"unresponsive: {detail}")
+
+    def stalled(self, detail: str) -> None:
+        """An idle engine holds open requests (status `stalled`); STATUS says so at once,
+        the reconciliation ends those requests after the hang timeout."""
+        self._status(f"stalled: {detail}")
+
+    def unreachable(self, detail: str) -> None:
+        """New clients cannot connect: the socket file is gone (status `unreachable`)."""
+        self._status(f"unreachable: {detail}")
 
     def draining(self, num_open: int, timeout_s: float) -> None:
         self.is_draining = True

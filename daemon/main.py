@@ -32,10 +32,11 @@ from specd.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig
 from specd.daemon.http.listener import open_http_listener
 from specd.daemon.lifecycle import Lifecycle
 from specd.daemon.sdnotify import Notifier
+from specd.daemon.socket_watch import SocketWatch
 from specd.exit_codes import EXIT_CONFIG, EXIT_SCHEDULER_FAILED, EXIT_SOFTWARE
 from specd.ipc.messages import SPEC_MODES
 from specd.logs import log_event, setup_logging
-from specd.model_fit import check_vocabulary
+from specd.model_fit import check_vocabulary, declared_special_ids, tokenizer_misfits
 from specd.tokenizer import Tokenizer
 from specd.workers.config import DTYPES, EngineConfig
 from specd.workers.models.config import ModelConfig
@@ -248,6 +249,13 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         model_config.served_len(config.engine.max_model_len)  # the limit, a sliding window
     except (OSError, ValueError) as exc:
         return _config_failure(lifecycle, f"bad model: {exc}")
+    # Fits, but may be another model's: named (a record, a problem in status), not refused.
+    misfits = tokenizer_misfits(tokenizer, model_config.vocab_size,
+                                declared_special_ids(config.engine.model_path))
+    if misfits:
+        log_event(log, logging.WARNING, "tokenizer_misfit", f"the tokenizer of "
+                  f"{config.engine.model_path} looks like another model's: "
+                  + "; ".join(misfits), evidence=misfits)
     if model_reason != "--model":  # say which model the default is, and why
         log_event(log, logging.INFO, "model_chosen", f"serving {config.engine.model} "
                   f"({config.engine.model_path}): {model_reason}", model=config.engine.model,
@@ -266,6 +274,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
                                         backlog=config.max_connections)
     except (OSError, ValueError, SocketInUseError) as exc:
         return _config_failure(lifecycle, f"cannot listen on {config.socket_path}: {exc}")
+    socket_watch = SocketWatch(listener, owns_path, config.socket_mode, config.max_connections)
     restarts = _read_restart_count(config.restart_count_path)
 
     async def serve() -> int:
@@ -273,7 +282,8 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         # the scheduler: a failure there is the host's configuration (a directory that
         # cannot be made or written, a path too long for a socket), not a bug.
         try:
-            front = Front(config, lifecycle, tokenizer, listener, http_listener, restarts)
+            front = Front(config, lifecycle, tokenizer, listener, socket_watch, http_listener,
+                          restarts, tokenizer_misfits=misfits)
         except (OSError, zmq.ZMQError) as exc:
             return _config_failure(
                 lifecycle, f"cannot start the scheduler (link directory under "
@@ -286,8 +296,7 @@ def run_daemon(config: DaemonConfig, model_reason: str = "--model") -> int:
         listener.close()
         if http_listener is not None:
             http_listener.sock.close()
-        if owns_path:
-            config.socket_path.unlink(missing_ok=True)
+        socket_watch.remove_if_ours()
     if code == EXIT_SCHEDULER_FAILED:
         _write_restart_count(config.restart_count_path, restarts + 1)
     log_event(log, logging.INFO, "exit", f"specd exits with status {code}", exit_code=code)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -79,18 +80,20 @@ class RequestFlow:
 
     # ---- client -> scheduler -------------------------------------------------------------
 
-    def admit(self, connection: Client, message: m.Generate) -> None:
-        """Open the request, or answer the client why not."""
+    def admit(self, connection: Client, message: m.Generate, warmup: bool = False) -> None:
+        """Open the request, or answer the client why not. `warmup`: one of the front's
+        own warm-up requests (daemon/http_warmup.py), admitted once the scheduler is
+        ready but before the daemon is, and left out of the latency figures."""
         try:
-            self._open(connection, message)
+            self._open(connection, message, warmup)
         except RequestError as exc:
             connection.reject(message.id, exc.code, str(exc))
 
-    def _open(self, connection: Client, message: m.Generate) -> None:
+    def _open(self, connection: Client, message: m.Generate, warmup: bool) -> None:
         """Open the request, or raise RequestError; its prompt is tokenized here when
         short, else on the worker thread while the request waits in the table."""
         status = self.status
-        if status.state is State.STARTING:
+        if status.state is State.STARTING and not (warmup and status.ready is not None):
             raise RequestError("starting",
                                f"the scheduler is starting ({status.scheduler_stage})")
         if status.state is State.DRAINING:
@@ -106,7 +109,7 @@ class RequestFlow:
         request = OpenRequest(
             f"r{self._next_request_number}", message.id, connection,
             IncrementalDetokenizer(self.tokenizer, message.sampling.stop),
-            message.stream, 0, message.sampling.logprobs > 0)
+            message.stream, 0, message.sampling.logprobs > 0, is_warmup=warmup)
         request.reports_prompt = message.report_prompt
         self.table.add(request)
         if message.deadline_s is not None:
@@ -250,6 +253,7 @@ class RequestFlow:
         request = self.table.get(delta.request_id)
         if request is None:
             return  # aborted while the step ran
+        request.last_moved = time.monotonic()
         detokenizer = request.detokenizer
         num_before = len(detokenizer.token_ids)
         text = detokenizer.add(delta.new_token_ids)
@@ -258,7 +262,8 @@ class RequestFlow:
                                      - (len(delta.new_token_ids) - len(token_ids)))
         if token_ids:
             request.num_sampling_steps += 1
-            self.latency.on_output(request, len(token_ids))
+            if not request.is_warmup:
+                self.latency.on_output(request, len(token_ids))
         logprobs = delta.logprobs[:len(token_ids)] if request.want_logprobs else []
         if request.stream:
             if text or token_ids:

@@ -30,7 +30,7 @@ class OpenRequest:
 
     def __init__(self, request_id: str, client_id: int, peer: Peer,
                  detokenizer: IncrementalDetokenizer, stream: bool, num_prompt_tokens: int,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, is_warmup: bool = False) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.peer = peer
@@ -38,6 +38,7 @@ class OpenRequest:
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens
         self.want_logprobs = want_logprobs
+        self.is_warmup = is_warmup  # the front's own warm-up request (daemon/http_warmup.py)
         self.started = time.monotonic()
         self.deadline: asyncio.TimerHandle | None = None
         # Output not yet sent to the client (all of it when not streaming).
@@ -51,16 +52,22 @@ class OpenRequest:
         self.num_output_tokens = 0
         self.num_sampling_steps = 0  # steps that gave this request tokens (acceptance length)
         self.is_submitted = False  # its AddRequest was sent (see RequestTable.mark_submitted)
+        # Its place among the AddRequests sent (-1: not sent): the reconciliation checks
+        # only requests sent before its question (daemon/reconcile.py).
+        self.submission = -1
+        self.last_moved = self.started  # submitted, or its last output arrived
 
 
 class RequestTable:
     """Open requests; `len()` is what admission control counts, `num_submitted` those the
-    scheduler has (what the hang watchdog waits on)."""
+    scheduler has (what the hang watchdog waits on), `num_submissions` the AddRequests sent
+    since the front started."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, OpenRequest] = {}
         self._by_peer: dict[int, dict[int, OpenRequest]] = {}
         self.num_submitted = 0
+        self.num_submissions = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -79,7 +86,10 @@ class RequestTable:
         if self._by_id.get(request.request_id) is not request or request.is_submitted:
             raise ValueError(f"request {request.request_id} is not open and unsubmitted")
         request.is_submitted = True
+        request.submission = self.num_submissions
+        request.last_moved = time.monotonic()
         self.num_submitted += 1
+        self.num_submissions += 1
 
     def get(self, request_id: str) -> OpenRequest | None:
         return self._by_id.get(request_id)

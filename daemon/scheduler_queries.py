@@ -1,9 +1,12 @@
 """The front's questions to the scheduler: each carries a query id, and the scheduler's
-`QueryReply` with that id is its answer.
+answer with that id (`QueryReply`; `Holding` to the reconciliation's `Reconcile`) is its
+answer.
 
-Every question takes its id from one counter (`ask` and `probe` alike), so a reply never
-answers a question it was not meant for. An answer to no question waiting (a probe's, or one
-that came after its question timed out) is dropped. No torch is imported here.
+Every question takes its id from one counter (`ask` and `tell` alike), so an answer never
+answers a question it was not meant for. `ask` waits for its `QueryReply`; a question sent
+with `tell` is not waited for (whoever handles its answer reads it), and a `QueryReply` to
+no question waiting (one that came after its question timed out) is dropped. No torch is
+imported here.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ class SchedulerQueries:
     async def ask(self, make: Callable[[int], m.ToScheduler]) -> m.QueryReply:
         """Send `make(query_id)` to the scheduler and wait for its QueryReply (at most
         QUERY_TIMEOUT_S: TimeoutError; a full inbox: LinkSendError)."""
-        self._next_query_id += 1
-        query_id = self._next_query_id
+        query_id = self._new_id()
         future: asyncio.Future[m.QueryReply] = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future
         try:
@@ -43,12 +45,12 @@ class SchedulerQueries:
         finally:
             self._queries.pop(query_id, None)
 
-    def probe(self) -> None:
-        """Ask the scheduler for its figures without waiting (the front's idle watchdog: the
-        answer moves `HealthWatch.last_heard`; no one reads it)."""
-        self._next_query_id += 1
+    def tell(self, make: Callable[[int], m.ToScheduler]) -> None:
+        """Send `make(query_id)` without waiting (the front's probes: the answer, like any
+        message, moves `HealthWatch.last_heard`)."""
+        query_id = self._new_id()
         try:
-            self.scheduler.send(m.QueryStats(self._next_query_id))
+            self.scheduler.send(make(query_id))
         except LinkSendError as exc:  # its inbox is full: the watchdog will see no answer
             log_event(log, logging.WARNING, "probe_not_sent", f"cannot ask the scheduler: {exc}")
 
@@ -56,3 +58,7 @@ class SchedulerQueries:
         future = self._queries.pop(reply.query_id, None)
         if future is not None and not future.done():
             future.set_result(reply)
+
+    def _new_id(self) -> int:
+        self._next_query_id += 1
+        return self._next_query_id

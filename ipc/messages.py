@@ -259,8 +259,13 @@ class Error(_Reply, frozen=True, tag="error"):
 
 
 class StatusReply(_Reply, frozen=True, tag="status"):
+    """`problems`: named events an operator must act on, name -> what happened (how often,
+    the last case), the front's and the engine's (`requests_lost`, `spec_acceptance_low`,
+    ...); `fallbacks`: the front's parts that run degraded (an HTTP handler that raised),
+    beside the engine's in `engine["fallbacks"]`."""
+
     id: int
-    state: str  # starting | ready | draining | failed | unresponsive
+    state: str  # starting | ready | draining | failed | unresponsive | stalled
     protocol: int
     version: str
     uptime_s: float
@@ -271,6 +276,8 @@ class StatusReply(_Reply, frozen=True, tag="status"):
     engine: dict[str, Any]
     provenance: dict[str, Any]
     config: dict[str, Any]
+    problems: dict[str, str] = {}
+    fallbacks: dict[str, str] = {}
 
 
 class StatsReply(_Reply, frozen=True, tag="stats"):
@@ -321,11 +328,26 @@ class QueryStats(_Link, frozen=True, tag="stats"):
     query_id: int
 
 
+class Reconcile(_Link, frozen=True, tag="reconcile"):
+    """Which requests does the engine hold? (the front's reconciliation of its open
+    requests, daemon/reconcile.py; answered `Holding`)."""
+
+    query_id: int
+
+
+class ForgetFigures(_Link, frozen=True, tag="forget"):
+    """Zero the engine's figures (steps, tokens, drafts, speculation's measurements): sent
+    once the front's own warm-up requests are done, before READY (daemon/http_warmup.py)."""
+
+
 class Shutdown(_Link, frozen=True, tag="shutdown"):
     pass
 
 
-ToScheduler = AddRequest | AbortRequests | SetSpecMode | QueryStats | Shutdown
+ToScheduler = (
+    AddRequest | AbortRequests | SetSpecMode | QueryStats | Reconcile | ForgetFigures
+    | Shutdown
+)
 
 
 # ---- scheduler -> front ------------------------------------------------------------------
@@ -414,10 +436,23 @@ class QueryReply(_Link, frozen=True, tag="reply"):
     error: str | None = None
 
 
+class Holding(_Link, frozen=True, tag="holding"):
+    """Answer to `Reconcile`: every request the engine holds unfinished (waiting, running,
+    or set aside by a failed step's isolation), and `idle_s`, the seconds since the engine
+    last ran a step that moved (scheduled work or produced tokens). Sent after the output
+    of every step before it, so a request the front opened before asking that is neither
+    finished by that output nor listed here is lost."""
+
+    query_id: int
+    request_ids: list[str] = []
+    idle_s: float = 0.0
+
+
 class Stopped(_Link, frozen=True, tag="stopped"):
     pass
 
 
 FromScheduler = (
-    StartupStage | Ready | SchedulerFailed | StepOutput | RequestRejected | QueryReply | Stopped
+    StartupStage | Ready | SchedulerFailed | StepOutput | RequestRejected | QueryReply
+    | Holding | Stopped
 )

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+LOG_FORMAT_ENV = "SPECD_LOG_FORMAT"  # the format of the process that started this one
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message", "asctime", "taskName"}
@@ -100,9 +101,13 @@ def stderr_is_journal() -> bool:
 
 def setup_logging(log_format: str, level: str) -> None:
     """Route every logger to stderr in `log_format` ("json" or "text") at `level`, with
-    journald priorities when stderr is the journal."""
+    journald priorities when stderr is the journal. The format is also left in the
+    environment ($SPECD_LOG_FORMAT), where the processes this one starts find it
+    (`inherited_log_format`): a tensor-parallel rank writes to the same stderr, and its
+    records read as rank 0's do."""
     if log_format not in ("json", "text"):
         raise ValueError(f"log format must be json or text, got {log_format!r}")
+    os.environ[LOG_FORMAT_ENV] = log_format
     handler = logging.StreamHandler(sys.stderr)
     formatter: logging.Formatter = (JsonFormatter() if log_format == "json"
                                     else TextFormatter())
@@ -114,6 +119,29 @@ def setup_logging(log_format: str, level: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def inherited_log_format() -> str:
+    """The log format of the process that started this one (`setup_logging` left it in
+    the environment); JSON when none did."""
+    return os.environ.get(LOG_FORMAT_ENV, "json")
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` as one line of at most about `limit` characters, for status: whitespace
+    (newlines included) collapsed, and a longer text cut at the end of a word, `...`
+    marking the cut. A first word longer than `limit` is kept whole: never cut inside a
+    word. The whole text belongs in the log record."""
+    words = text.split()
+    line = " ".join(words)
+    if len(line) <= limit:
+        return line
+    kept = [words[0]]
+    for word in words[1:]:
+        if len(" ".join(kept)) + 1 + len(word) + 4 > limit:
+            break
+        kept.append(word)
+    return " ".join(kept) + " ..."
 
 
 def log_event(logger: logging.Logger, level: int, event: str, message: str,

@@ -190,6 +190,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the token spelled `token` (a special token's text), None if none."""
+        return self._backend.token_to_id(token)
+
     def apply_chat_template(self, messages: Sequence[Message],
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> str:

@@ -41,9 +41,11 @@ def check_local_install() -> CheckResult:
 
 def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
     if status is None:
+        gone = ("; if specd runs (systemctl status specd) its socket file was removed: "
+                "systemctl restart specd.socket specd" if "No such file" in error else "")
         return CheckResult("daemon", False, error, "start it (specd or systemctl start specd) "
                            "and check --socket / $SPECD_SOCKET; why a run ended: "
-                           "journalctl -u specd -o cat | specctl doctor --log -")
+                           "journalctl -u specd -o cat | specctl doctor --log -" + gone)
     ok = status.state == "ready"
     engine = status.engine
     silent = (f"; {engine['error']}, process {engine.get('scheduler_pid')} is "
@@ -52,6 +54,10 @@ def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
     if str(engine.get("scheduler_process", "")).startswith("stopped"):
         advice = (f"someone stopped the scheduler: kill -CONT {engine.get('scheduler_pid')} "
                   "(the daemon exits 75 after --hang-timeout-s without an answer)")
+    elif status.state == "stalled":
+        advice = ("the engine holds open requests but runs no step for them (a bug in "
+                  "specd): they end with an error after --hang-timeout-s, each logged as "
+                  "request_stalled; report it")
     return CheckResult("daemon", ok, f"state {status.state}, model {status.model}, up "
                        f"{status.uptime_s:.0f} s, {status.num_open_requests} open requests"
                        + silent, "" if ok else advice)
@@ -59,8 +65,9 @@ def check_daemon(status: StatusReply | None, error: str) -> CheckResult:
 
 def check_fallbacks(status: StatusReply) -> CheckResult:
     """A documented fallback in force (a failed capture or compilation: that part runs
-    eagerly, slower than configured) is a problem to fix, not a state to serve in."""
-    fallbacks: dict[str, str] = status.engine.get("fallbacks") or {}
+    eagerly, slower than configured; an HTTP handler that raised) is a problem to fix, not
+    a state to serve in."""
+    fallbacks: dict[str, str] = {**(status.engine.get("fallbacks") or {}), **status.fallbacks}
     if not fallbacks:
         return CheckResult("fallbacks", True, "none: everything runs as configured")
     return CheckResult(
@@ -68,6 +75,35 @@ def check_fallbacks(status: StatusReply) -> CheckResult:
             f"{name}: {reason}" for name, reason in sorted(fallbacks.items())),
         "the daemon's log has each failure once with its traceback (journalctl -u specd); "
         "fix the cause and restart, or turn the option off")
+
+
+# What to do about each kind of problem (StatusReply.problems, the front's and the engine's).
+PROBLEM_ADVICE = {
+    "requests_lost": "the scheduler dropped requests it was serving (a bug in specd): "
+                     "report it with the request_lost records of the log",
+    "requests_stalled": "the engine held requests it ran no step for (a bug in specd): "
+                        "report it with the request_stalled records of the log",
+    "socket_missing": "the socket file was removed while the daemon ran: restart "
+                      "specd.socket and specd (systemctl restart specd.socket specd)",
+    "spec_acceptance_low": "the draft head's drafts are rarely accepted: check that "
+                           "--draft-model is the head trained for this model (and its "
+                           "tokenizer); speculation costs more than it gives",
+    "tokenizer_misfit": "the model directory's tokenizer looks like another model's: check "
+                        "tokenizer.json / tokenizer_config.json against the model's own",
+}
+
+
+def check_problems(status: StatusReply) -> CheckResult:
+    """Problems the daemon saw since it started (a request the scheduler lost, a removed
+    socket file, a draft head that drafts nothing useful): each is a failure to look into,
+    though the daemon serves on."""
+    problems: dict[str, str] = {**(status.engine.get("problems") or {}), **status.problems}
+    if not problems:
+        return CheckResult("problems", True, "none seen since the daemon started")
+    return CheckResult(
+        "problems", False, "; ".join(f"{name}: {text}" for name, text in sorted(problems.items())),
+        "; ".join(PROBLEM_ADVICE.get(name, "see the daemon's log (journalctl -u specd)")
+                  for name in sorted(problems)))
 
 
 def check_provenance(status: StatusReply) -> list[CheckResult]:
@@ -179,6 +215,7 @@ def run_checks(socket_path: Path | None, timeout: float,
         results.append(check_config(status))
         if status.engine and "error" not in status.engine:  # the scheduler's own figures
             results.append(check_fallbacks(status))
+        results.append(check_problems(status))
         ranks = check_ranks(status)
         if ranks is not None:
             results.append(ranks)

@@ -1,6 +1,6 @@
 """`specctl status` as text: one line per fact, the problems first-screen visible (a scheduler
-that does not answer, a fallback in force), the `?` of a missing figure never standing in
-for them."""
+that does not answer, a fallback in force, a request the scheduler lost), the `?` of a
+missing figure never standing in for them."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def status_lines(reply: StatusReply) -> list[str]:
     if "error" in engine:
         lines.append(f"scheduler    {engine['error']}; process {engine.get('scheduler_pid')} is "
                      f"{engine.get('scheduler_process')}")
+        if reply.fallbacks:  # the front's own, known without the scheduler
+            lines += fallback_lines(reply.fallbacks)
     elif engine:
         lines += [
             f"batch        {engine.get('num_running', '?')} running, "
@@ -37,8 +39,9 @@ def status_lines(reply: StatusReply) -> list[str]:
             f"speculation  mode {engine.get('spec_mode', '?')}, active "
             f"{engine.get('spec_active', '?')}, drafted {engine.get('num_drafted', 0)}, "
             f"accepted {engine.get('num_accepted', 0)}" + threshold_text(engine),
-            *fallback_lines(engine.get("fallbacks") or {}),
+            *fallback_lines({**(engine.get("fallbacks") or {}), **reply.fallbacks}),
         ]
+    lines += problem_lines({**(engine.get("problems") or {}), **reply.problems})
     for key, value in reply.resolved.items():
         lines.append(f"resolved     {key} = {value}")
     return lines
@@ -57,6 +60,15 @@ def fallback_lines(fallbacks: dict[str, str]) -> list[str]:
     if not fallbacks:
         return ["fallbacks    none"]
     return [f"fallback     {name}: {reason}" for name, reason in sorted(fallbacks.items())]
+
+
+def problem_lines(problems: dict[str, str]) -> list[str]:
+    """`problems     none`, or one line per kind of problem seen (the front's: a lost or
+    stalled request, a removed socket file; the engine's: a draft head whose drafts are
+    not accepted) with how often and the last case."""
+    if not problems:
+        return ["problems     none"]
+    return [f"problem      {name}: {text}" for name, text in sorted(problems.items())]
 
 
 def provenance_lines(front: dict[str, Any], scheduler: dict[str, Any]) -> list[str]:

@@ -20,10 +20,12 @@ class Choices:
     """Admits `generates` (choice i has id i) for `peer` through `flow`: `start`, then
     `on_frames` with every frame the peer receives."""
 
-    def __init__(self, flow: RequestFlow, peer: HttpPeer, generates: list[m.Generate]) -> None:
+    def __init__(self, flow: RequestFlow, peer: HttpPeer, generates: list[m.Generate],
+                 warmup: bool = False) -> None:
         self.flow = flow
         self.peer = peer
         self.generates = generates
+        self.warmup = warmup  # the front's own warm-up request (daemon/http_warmup.py)
         self.num_admitted = 0
 
     def start(self) -> None:
@@ -38,5 +40,5 @@ class Choices:
 
     def _admit(self, up_to: int) -> None:
         while self.num_admitted < up_to:
-            self.flow.admit(self.peer, self.generates[self.num_admitted])
+            self.flow.admit(self.peer, self.generates[self.num_admitted], warmup=self.warmup)
             self.num_admitted += 1

@@ -71,10 +71,11 @@ ENGINE_METRICS = {
     "num_requests_failed": ("specd_step_failed_requests", "counter",
                             "Requests ended by the failed steps blamed on them."),
 }
-# vocab_size is the model's, fixed at start-up: a property (status), not a figure to scrape.
+# vocab_size is the model's, fixed at start-up: a property (status), not a figure to scrape;
+# problems are texts for status and doctor.
 ENGINE_SPECIAL = frozenset({"num_free_kv_blocks", "spec_mode", "accepted_at_depth",
                             "spec_measured_tok_s", "spec_threshold", "spec_resume_at",
-                            "vocab_size", "fallbacks"})
+                            "vocab_size", "fallbacks", "problems"})
 
 
 class _Request(Protocol):

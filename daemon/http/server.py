@@ -8,9 +8,12 @@ A generate request is the socket's: its body becomes a `messages.Generate` (`par
 which `RequestFlow.admit` opens with an `HttpPeer` in place of a connection; the peer's
 frames become the answer (`responses`). An error before any output (admission, the
 prompt's tokens, the engine's refusal) is an HTTP status with OpenAI's error object; one
-after the stream began is an `error` event before `[DONE]`. A client that disconnects
-aborts its request in the scheduler, as closing a socket connection does (aiohttp
-cancels the handler when its connection is lost). `/metrics` asks the front for the same
+after the stream began is an `error` event before `[DONE]`. A handler that raises answers
+500 (or that event) with the exception's type and message, and counts as a degraded part
+of the front (`fallback http_handler` in status). The warm-up's requests
+(daemon/http_warmup.py) carry the front's token and are admitted before READY. A client
+that disconnects aborts its request in the scheduler, as closing a socket connection does
+(aiohttp cancels the handler when its connection is lost). `/metrics` asks the front for the same
 stats reply `specctl stats` gets. Every endpoint but `/health` needs a Bearer key when
 the daemon has `--api-key-file`.
 """
@@ -38,6 +41,8 @@ from specd.daemon.http.listener import HttpListener
 from specd.daemon.http.metrics import CONTENT_TYPE, Metrics
 from specd.daemon.http.peer import HttpPeer
 from specd.daemon.http.responses import DONE, Answer, ParserFactory, sse
+from specd.daemon.http_warmup import WARMUP_HEADER
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import State
 from specd.daemon.parsers.reasoning import prompt_opens_reasoning
 from specd.daemon.parsers.registry import (
@@ -49,7 +54,7 @@ from specd.daemon.prompts import RequestError
 from specd.daemon.request_flow import RequestFlow
 from specd.ipc import messages as m
 from specd.ipc.sampling import MAX_INT64
-from specd.logs import log_event
+from specd.logs import log_event, one_line
 
 if TYPE_CHECKING:
     from specd.daemon.server import Connection
@@ -84,9 +89,13 @@ class HttpServer:
 
     def __init__(self, config: DaemonConfig, listener: HttpListener, status: FrontStatus,
                  counters: Counter[str], metrics: Metrics, requests: RequestFlow,
-                 control: Control, health: HealthWatch, *,
-                 new_connection_id: Callable[[], int]) -> None:
+                 control: Control, health: HealthWatch, fallbacks: Incidents, *,
+                 new_connection_id: Callable[[], int], warmup_token: str) -> None:
         self.config = config
+        # A handler that raised is a degraded part of the front (status shows it).
+        self.fallbacks = fallbacks
+        # The warm-up's requests carry it (http_warmup.py): admitted before READY.
+        self.warmup_token = warmup_token
         self.listener = listener
         self.status = status
         self.counters = counters
@@ -146,13 +155,21 @@ class HttpServer:
         except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413 (body too large)
             code = "request_too_large" if exc.status == 413 else None
             return self._refuse(HttpError(exc.status, exc.text or exc.reason, code))
-        except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered 500
-            log.exception("internal error answering %s", request.path,
-                          extra={"event": "internal_error"})
+        except Exception as exc:  # noqa: BLE001 - a bug: logged, answered 500 with its name
+            error = self._internal_error(request, exc)
             if request.get(STREAMING):
                 raise  # the stream began: aiohttp ends the response
-            return self._refuse(HttpError(500, "internal error; see the log",
-                                          "internal_error"))
+            return self._refuse(error)
+
+    def _internal_error(self, request: web.Request, exc: Exception) -> HttpError:
+        """A handler's exception (call from its except block): one record with the
+        traceback, a fallback-class incident (status shows it, doctor fails), and the 500
+        that answers it with the exception's type and message, nothing more."""
+        log.exception("internal error answering %s", request.path,
+                      extra={"event": "internal_error"})
+        what = one_line(f"{type(exc).__name__}: {exc}")
+        self.fallbacks.record("http_handler", f"{request.method} {request.path}: {what}")
+        return HttpError(500, f"internal error: {what}", "internal_error")
 
     def _refuse(self, error: HttpError) -> web.Response:
         """The error's answer, counted as `error_<code>` (unless the flow counted it)."""
@@ -215,7 +232,8 @@ class HttpServer:
         (disconnect, cancellation, an error)."""
         peer = HttpPeer(self.new_connection_id(), self.counters)
         choices = Choices(self.requests, peer,
-                          params.choices(generate, answer.options.num_choices))
+                          params.choices(generate, answer.options.num_choices),
+                          warmup=request.headers.get(WARMUP_HEADER) == self.warmup_token)
         try:
             choices.start()
             frames = await peer.receive()
@@ -258,6 +276,11 @@ class HttpServer:
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client left mid-stream: _generate's finally aborts the request
+        except Exception as exc:  # noqa: BLE001 - a bug mid-stream: an error event ends it
+            error = self._internal_error(request, exc)
+            self.counters["error_internal_error"] += 1
+            await response.write(sse(error.body()) + DONE)
+            await response.write_eof()
         return response
 
     # ---- the rest --------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def test_the_idle_timeout_never_cuts_a_client_waiting_on_its_request(daemon: Dae
 # ---- last: drain and stop (the daemon exits) --------------------------------------------
 
 
-def test_stop_during_a_drain_ends_the_requests_at_once_and_new_connections_are_refused(
+def test_during_a_drain_new_connections_take_operator_commands_and_stop_ends_it_at_once(
         daemon: Daemon) -> None:
     streaming = Raw(daemon)
     streaming.send(generate(1, max_tokens=100_000))
@@ -351,13 +351,19 @@ def test_stop_during_a_drain_ends_the_requests_at_once_and_new_connections_are_r
     assert isinstance(operator.receive(), m.Ack)
     with pytest.raises(errors.ShuttingDown), daemon.client() as client:
         client.generate("x", max_tokens=2)
+    # A connection made during the drain: generates are refused, operator commands are not.
     late = Raw(daemon)
+    late.send(generate(1, max_tokens=2))
     reply = late.receive()
-    assert isinstance(reply, m.Error) and (reply.id, reply.code) == (None, "shutting_down")
-    assert late.receive() is None
+    assert isinstance(reply, m.Error) and (reply.id, reply.code) == (1, "shutting_down")
+    late.send({"type": "status", "id": 2})
+    status = late.receive()
+    assert isinstance(status, m.StatusReply) and status.state == "draining"
+    late.send({"type": "drain", "id": 3, "timeout_s": 600})  # a second drain: accepted
+    assert isinstance(late.receive(), m.Ack)
     stopped_at = time.monotonic()
-    operator.send({"type": "stop", "id": 2})
-    assert isinstance(operator.receive(), m.Ack)
+    late.send({"type": "stop", "id": 4})
+    assert isinstance(late.receive(), m.Ack)
     replies = streaming.until_end(1)
     assert time.monotonic() - stopped_at < 5.0, "a stop does not wait for the drain"
     assert isinstance(replies[-1], m.Error) and replies[-1].code == "drained"

@@ -22,6 +22,7 @@ from specd import provenance
 from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.exit_codes import EXIT_SCHEDULER_FAILED
 from tests.integration.daemon_harness import Daemon
+from tests.integration.test_startup_faults import plant_in_scheduler
 
 HANG_TIMEOUT_S = 4.0
 
@@ -120,5 +121,28 @@ def test_a_load_that_stops_progressing_dumps_the_stacks_and_exits_75(
         (record,) = daemon.events("scheduler_failed")
         assert "no progress for" in record["msg"] and "in stage load" in record["msg"]
         assert "planted_deadlock" in record["scheduler_traceback"]  # faulthandler's dump
+    finally:
+        daemon.stop()
+
+
+def test_a_load_that_spins_without_loading_is_a_hang_with_its_stacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A busy loop: CPU time and Python lines move, but nothing is read or filled.
+    plant_in_scheduler(tmp_path, monkeypatch, """
+        import specd.workers.engine.core as engine
+
+        def planted_spin(self, config):
+            while True:
+                sum(range(1000))
+
+        engine.EngineCore.__init__ = planted_spin
+    """)
+    daemon = Daemon(tmp_path, "--hang-timeout-s", "3")
+    try:
+        assert daemon.wait(120) == EXIT_SCHEDULER_FAILED
+        (record,) = daemon.events("scheduler_failed")
+        assert "no progress for" in record["msg"] and "in stage load" in record["msg"]
+        assert "process" in record["msg"] and "is running" in record["msg"]
+        assert "planted_spin" in record["scheduler_traceback"]  # faulthandler's dump
     finally:
         daemon.stop()

@@ -16,10 +16,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from specd.daemon.ctl.common import EXIT_DOCTOR_PROBLEM
 from specd.exit_codes import EXIT_CONFIG, EXIT_SOFTWARE
 from specd.workers.config import FIXTURE_DIR
 from tests.integration.daemon_harness import Daemon
+from tests.unit.test_tokenizer_misfits import foreign_model
 
 
 def plant_in_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: str) -> None:
@@ -32,6 +35,12 @@ def plant_in_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: s
         + textwrap.indent(textwrap.dedent(patch), "    "))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def specctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specd.daemon.ctl", "--socket",
+                           str(daemon.socket_path), *args],
+                          capture_output=True, text=True, timeout=60)
 
 
 def run_specd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -134,5 +143,39 @@ def test_a_code_bug_in_the_front_exits_70_with_its_traceback(
         (record,) = daemon.events("internal_error")
         assert "AttributeError" in record["msg"] and "planted_attribute" in record["traceback"]
         assert not daemon.socket_path.exists()  # cleaned up on the way out
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_no_device_of_the_kind_asked_for_exits_78_naming_the_option(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, "--device", "cuda")
+    try:
+        assert daemon.wait(240) == EXIT_CONFIG
+        (record,) = daemon.events("scheduler_failed")
+        (line,) = record["msg"].splitlines()
+        assert "stage load" in line and "ValueError('--device cuda: " in line
+        assert "use --device cpu" in line
+        assert record["exit_code"] == EXIT_CONFIG
+    finally:
+        daemon.stop()
+
+
+def test_a_foreign_tokenizer_that_fits_is_named_in_the_log_status_and_doctor(
+        tmp_path: Path) -> None:
+    model = foreign_model(tmp_path, 1000, eos_token="<s>")  # 1,000 tokens, 4,096 rows
+    daemon = Daemon(tmp_path, "--model", str(model), "--speculative-algorithm",
+                    "none").wait_ready()
+    try:
+        (record,) = daemon.events("tokenizer_misfit")
+        assert record["level"] == "warning"
+        assert "the tokenizer has 1000 tokens for the model's 4096 embedding rows" in \
+            record["msg"]
+        status = specctl(daemon, "status")
+        assert any(x.startswith("problem      tokenizer_misfit: 1 since start; last: the "
+                                "tokenizer has 1000 tokens") for x in status.stdout.splitlines())
+        doctor = specctl(daemon, "doctor")
+        assert doctor.returncode == EXIT_DOCTOR_PROBLEM
+        assert "FAIL  problems: tokenizer_misfit" in doctor.stdout
     finally:
         daemon.stop()

@@ -3,7 +3,7 @@ mid-stream gives every client an error frame (`scheduler_unavailable`) and ends 
 exit 75 within 10 s, leaving no rank behind; SIGSTOP of it is caught by the hang watchdog.
 `specctl doctor` lists the ranks and their devices, fails naming a stopped rank (without
 trying a generation, which would wait for it), and reads the killed rank from the log the
-failed run left (`--log`)."""
+failed run left (`--log`). A worker rank's records come out in rank 0's console format."""
 
 from __future__ import annotations
 
@@ -92,5 +92,19 @@ def test_a_stopped_worker_rank_is_caught_by_the_hang_watchdog(tmp_path: Path) ->
         while not _is_dead(worker_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _is_dead(worker_pid)
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow  # as above
+def test_a_worker_ranks_records_come_out_in_rank_zeros_console_format(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, "--tensor-parallel-size", "2", "--speculative-algorithm",
+                    "none", "--log-format", "text").wait_ready()  # the last --log-format wins
+    try:
+        lines = daemon.log_path.read_text().splitlines()
+        assert not [x for x in lines if x.startswith("{")], "a record in JSON on a text console"
+        loaded = [x for x in lines if "event=rank_load_progress" in x]
+        assert any(": rank 1 loaded " in x for x in loaded)  # the worker rank's own record
+        assert any(": rank 0 loaded " in x for x in loaded)
     finally:
         daemon.stop()

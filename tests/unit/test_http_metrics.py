@@ -20,6 +20,7 @@ ENGINE = {
     "spec_measured_tok_s": {"1": [100.0, 80.0], "2-3": [150.0, 0.0]},
     "num_step_failures": 1, "num_requests_failed": 1,
     "vocab_size": 4096, "spec_threshold": 8, "spec_resume_at": 6, "fallbacks": {},
+    "problems": {},
 }
 STATS = {"engine": ENGINE, "open_requests": 3, "connections": 2,
          "front": {"finished_length": 4, "finished_stop": 1, "error_overloaded": 2,

@@ -11,7 +11,7 @@ from typing import IO
 
 import pytest
 
-from specd.logs import log_event, setup_logging
+from specd.logs import log_event, one_line, setup_logging
 
 
 @pytest.fixture
@@ -101,3 +101,29 @@ def test_no_priorities_when_journal_stream_names_another_file(
     # For people at a terminal the traceback keeps its own lines.
     assert "Traceback (most recent call last):" in lines
     assert lines[-1] == "second line"
+
+
+def test_a_status_reason_is_one_line_cut_at_a_word() -> None:
+    message = ("compilation failed: BackendCompilerFailed: backend='inductor' raised:\n"
+               + "CppCompileError: C++ compile error " * 20)
+    line = one_line(message, limit=120)
+    assert "\n" not in line and len(line) <= 120 and line.endswith(" ...")
+    kept = line.removesuffix(" ...")
+    assert " ".join(message.split()).startswith(kept)
+    assert " ".join(message.split())[len(kept)] == " "  # the cut falls between words
+    assert one_line("short\n  reason") == "short reason"
+    assert one_line("x" * 300 + " tail", limit=100) == "x" * 300 + " ..."  # a word stays whole
+
+
+def test_a_failed_compilation_reports_its_reason_whole_words(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from specd.workers.runner.cpu_decode import report_compile_failure
+
+    try:
+        raise RuntimeError("inductor could not compile the decode step because " * 10)
+    except RuntimeError as exc:
+        reason = report_compile_failure(logging.getLogger("specd.test"), "failed", exc)
+    assert reason.startswith("compilation failed: RuntimeError: inductor could not")
+    assert reason.endswith(" ...") and len(reason) <= 200
+    assert reason.removesuffix(" ...").endswith(("because", "inductor", "could", "not",
+                                                 "compile", "the", "decode", "step"))

@@ -49,6 +49,11 @@ SERVER_MESSAGES = [
     m.StatusReply(id=5, state="ready", protocol=1, version="0.1.0", uptime_s=1.5, model="fx",
                   num_open_requests=0, num_connections=1, resolved={"num_kv_blocks": 4},
                   engine={}, provenance={"code_version": "ab"}, config={}),
+    m.StatusReply(id=6, state="stalled", protocol=1, version="0.1.0", uptime_s=1.5,
+                  model="fx", num_open_requests=1, num_connections=1, resolved={},
+                  engine={}, provenance={}, config={},
+                  problems={"requests_lost": "1 since start; last: request r1"},
+                  fallbacks={"http_handler": "1 since start; last: KeyError"}),
     m.StatsReply(id=6, stats={"num_steps": 3}),
     m.Ack(id=7, message="ok"),
     m.Tokens(id=11, token_ids=[1, 2, 3]),
@@ -59,6 +64,8 @@ TO_SCHEDULER = [
     m.AbortRequests(["r1", "r2"]),
     m.SetSpecMode(query_id=1, mode="off"),
     m.QueryStats(query_id=2),
+    m.Reconcile(query_id=4),
+    m.ForgetFigures(),
     m.Shutdown(),
 ]
 FROM_SCHEDULER = [
@@ -75,6 +82,7 @@ FROM_SCHEDULER = [
     m.RequestRejected("r1", "prompt too long"),
     m.QueryReply(query_id=2, result={"num_steps": 1}),
     m.QueryReply(query_id=3, result={}, error="bad mode"),
+    m.Holding(query_id=4, request_ids=["r1", "r3"], idle_s=2.5),
     m.Stopped(),
 ]
 

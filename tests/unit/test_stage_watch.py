@@ -1,5 +1,5 @@
-"""The load's heartbeat: sent while the main thread moves (rank 0 reading its workers' beats
-included), silent while it is stuck."""
+"""The load's heartbeat: sent while the load reads and fills memory (rank 0 reading its
+workers' beats included), silent while it is stuck or spins."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -36,22 +37,30 @@ class _Outbox:
             return len(self.messages)
 
 
-def test_heartbeats_follow_the_main_threads_work_and_stop_when_it_is_stuck() -> None:
+def test_heartbeats_follow_what_the_load_reads_and_fills_never_cpu_time_alone(
+        tmp_path: Path) -> None:
+    checkpoint = tmp_path / "weights.bin"
+    checkpoint.write_bytes(os.urandom(2**20))
     outbox = _Outbox()
     with StageWatch(cast(LinkIO, outbox), "load", sample_s=SAMPLE_S):
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # a load: reads, and memory filled
+            chunks = [checkpoint.read_bytes() for _ in range(4)]
+            del chunks
+        loading = outbox.count()
         deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:  # work: CPU time and Python lines move
+        while time.monotonic() < deadline:  # a spin: CPU time and Python lines move
             sum(range(1000))
-        working = outbox.count()
+        spinning = outbox.count() - loading
         stuck = threading.Event()
         stuck.wait(1.5)  # one C call: no CPU, no reads, the same line
-        silent = outbox.count() - working
-    assert working >= 5  # nearly one per sample (a sample may fall between clock ticks)
-    # Stuck for 1.5 s at 0.1 s samples: a watch that kept beating sends about 15. At most
-    # the sample that saw the work end, and one more where the kernel charged the last CPU
-    # ticks of the work late (seen on a loaded 2-core VM).
-    assert silent <= 2
-    assert all(msg.stage == "load" and "s CPU" in msg.detail for msg in outbox.messages)
+        silent = outbox.count() - loading - spinning
+    assert loading >= 4  # nearly one per sample
+    # Spinning or stuck for 1.5 s at 0.1 s samples: a watch that counted them would send
+    # about 15 each. At most the sample that saw the reading end, and one more.
+    assert spinning <= 2 and silent <= 1
+    assert all(msg.stage == "load" and "MiB read" in msg.detail and "s CPU" in msg.detail
+               for msg in outbox.messages)
 
 
 # A worker rank that joined and loads for ever, beating as parallel/rank_main.py does.

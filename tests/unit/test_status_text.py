@@ -66,3 +66,20 @@ def test_the_live_speculation_threshold_is_shown_with_the_mode() -> None:
     engine.update(spec_mode="off", spec_active=False, spec_threshold=None)
     (line,) = [x for x in status_lines(_reply(engine)) if x.startswith("speculation")]
     assert "above" not in line  # no draft model: no threshold to show
+
+
+def test_each_problem_and_the_fronts_fallbacks_are_lines_the_engine_unknown_or_not() -> None:
+    reply = _reply({"num_running": 0, "fallbacks": {},
+                    "problems": {"spec_acceptance_low": "drafts 2.5% accepted"}})
+    reply = m.StatusReply(**{**{f: getattr(reply, f) for f in reply.__struct_fields__},
+                             "problems": {"requests_lost": "1 since start; last: request r1"},
+                             "fallbacks": {"http_handler": "1 since start; last: KeyError"}})
+    lines = status_lines(reply)
+    assert "fallback     http_handler: 1 since start; last: KeyError" in lines
+    assert [x for x in lines if x.startswith("problem")] == [
+        "problem      requests_lost: 1 since start; last: request r1",
+        "problem      spec_acceptance_low: drafts 2.5% accepted"]
+    assert "problems     none" in status_lines(_reply({"num_running": 0}))
+    silent = m.StatusReply(**{**{f: getattr(reply, f) for f in reply.__struct_fields__},
+                              "engine": {"error": "the scheduler did not answer"}})
+    assert "fallback     http_handler: 1 since start; last: KeyError" in status_lines(silent)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
-from specd.model_fit import check_vocabulary
+from specd.model_fit import check_vocabulary, declared_special_ids, tokenizer_misfits
 from specd.tokenizer import TOKENIZER_FILES, Tokenizer
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.models.config import ModelConfig
 from specd.workers.named_models import ensure_imported, named_model
+
+log = logging.getLogger("specd.engine")
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,14 @@ class Engine:
                             for name in TOKENIZER_FILES)
         self.tokenizer = Tokenizer.from_dir(self.config.model_path) if has_tokenizer else None
         if self.tokenizer is not None:  # before the weights load, as the daemon does
-            check_vocabulary(self.tokenizer.num_named_ids,
-                             ModelConfig.from_dir(self.config.model_path).vocab_size,
-                             self.config.model_path)
+            vocab_size = ModelConfig.from_dir(self.config.model_path).vocab_size
+            check_vocabulary(self.tokenizer.num_named_ids, vocab_size, self.config.model_path)
+            misfits = tokenizer_misfits(self.tokenizer, vocab_size,
+                                        declared_special_ids(self.config.model_path))
+            if misfits:
+                log.warning("the tokenizer of %s looks like another model's: %s",
+                            self.config.model_path, "; ".join(misfits),
+                            extra={"event": "tokenizer_misfit", "evidence": misfits})
         self.core = EngineCore(self.config)
         self._next_id = 0
         self.is_closed = False

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.ipc.sampling import SamplingParams
+from specd.logs import one_line
 from specd.workers.config import EngineConfig, EngineResolved
 from specd.workers.engine.batch import PromptLogprobs, ScheduledBatch, TokenLogprobs
 from specd.workers.engine.isolation import Isolation, describe
@@ -29,6 +30,7 @@ from specd.workers.engine.setup import build_worker, engine_resolved, log_switch
 from specd.workers.engine.warmup import warm_up
 from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.driver import RankFailed
+from specd.workers.spec.acceptance_watch import AcceptanceWatch
 from specd.workers.spec.worker import SpeculativeWorker
 
 log = logging.getLogger("specd.engine")
@@ -72,6 +74,9 @@ class EngineCore:
         self._num_steps = 0
         self._num_generated = 0
         self.isolation = Isolation()
+        # Whether speculation pays (a head of another model drafts nothing useful); the
+        # plain worker's figures stay zero, and its depth is 0: never judged.
+        self.acceptance = AcceptanceWatch(len(self.worker.figures.accepted_at_depth))
         self._outbox: list[RequestDelta] = []  # the deltas of the step call in progress
         # The batches that call scheduled or resolved: the failed step(s) if it raises.
         self._attempted: list[ScheduledBatch] = []
@@ -127,6 +132,17 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.isolation.is_active)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps whose results were applied so far (a step that scheduled nothing is none)."""
+        return self._num_steps
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds unfinished (waiting, running, in a step in flight,
+        or set aside by isolation), in arrival order: what the front reconciles its open
+        requests against (`messages.Holding`)."""
+        return list(self.scheduler.sequences)
 
     def step(self, isolate: bool = True) -> list[RequestDelta]:
         """One engine step: schedule -> execute -> update. Returns a delta per request that
@@ -231,6 +247,8 @@ class EngineCore:
                          for seq in updated]
         speculated = self.worker.ran_speculating(pending, overlapped)  # before the decision
         log_switch(self.worker.update_controller(self.scheduler.num_running))
+        figures = self.worker.figures
+        self.acceptance.observe(figures.num_verify_passes, figures.num_accepted)
         step_s = self._step_time(launched.t0)
         # Every step is a sample of the state it ran in, prefill and all (drafting for the
         # next step included): what a mode yields is its regime's throughput, request
@@ -326,9 +344,17 @@ class EngineCore:
         path fails start-up with its own exception, not the first request that takes it.
         Its steps are not the workload: the figures status reports start from zero."""
         warm_up(self)
+        self.forget_figures()
+
+    def forget_figures(self) -> None:
+        """Zero the figures status reports (steps, tokens, drafts, speculation's
+        measurements): after warm-up, the engine's and the front's (whose requests are not
+        the workload either). Mode and marks stay."""
         self._num_steps = 0
         self._num_generated = 0
         self.worker.figures.reset()
+        self.worker.controller.forget_measurements()
+        self.acceptance.reset()
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -355,8 +381,10 @@ class EngineCore:
             spec_measured_tok_s=controller.measured_table(),
             num_step_failures=self.isolation.num_step_failures,
             num_requests_failed=self.isolation.num_requests_failed,
-            fallbacks={f.name: f.reason for f in self.runner.backend.fallbacks()},
+            # One line each, cut at a word if long (the record of each has it whole).
+            fallbacks={f.name: one_line(f.reason) for f in self.runner.backend.fallbacks()},
             vocab_size=self.model_config.vocab_size,
+            problems=self.acceptance.problems(),
             spec_threshold=None if self.spec is None else self.spec.controller.threshold,
             spec_resume_at=None if self.spec is None else self.spec.controller.resume_at,
         )

@@ -59,6 +59,9 @@ class EngineStats:
     fallbacks: dict[str, str] = field(default_factory=dict)
     # The model's vocabulary: prompt and logit_bias token ids must be below it.
     vocab_size: int = 0
+    # Problems the engine sees while it serves (status shows them, doctor fails on them):
+    # name -> what, e.g. "spec_acceptance_low" (workers/spec/acceptance_watch.py).
+    problems: dict[str, str] = field(default_factory=dict)
     # Auto mode's live marks (the `spec` request changes them): speculation stops above
     # spec_threshold running requests and resumes at spec_resume_at or fewer; None
     # without a draft model.

@@ -5,6 +5,7 @@ Warm-up is workers/engine/warmup.py."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -26,10 +27,37 @@ from specd.workers.spec.worker import SpeculativeWorker, verify_query_len
 log = logging.getLogger("specd.engine")
 
 
+def check_device(config: EngineConfig) -> None:
+    """ValueError (a configuration error: exit 78) naming `--device` when this host has no
+    device of that kind, or fewer than the tensor-parallel ranks need from its index on:
+    torch built without CUDA, no GPU visible (CUDA_VISIBLE_DEVICES), an index past the
+    last one. Checked before anything touches the device, whose own error (an
+    AssertionError from torch) would read as a bug in specd (exit 70)."""
+    if not config.device.startswith("cuda"):
+        return
+    if torch.version.cuda is None:
+        raise ValueError(f"--device {config.device}: this torch ({torch.__version__}) is "
+                         "built without CUDA; install a CUDA build or use --device cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"--device {config.device}: no CUDA device is visible (torch "
+                         f"{torch.__version__}, CUDA {torch.version.cuda}"
+                         + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None
+                            else "") + "); use --device cpu")
+    first = torch.device(config.device).index or 0
+    count = torch.cuda.device_count()
+    if first + config.tensor_parallel_size > count:
+        raise ValueError(f"--device {config.device} with --tensor-parallel-size "
+                         f"{config.tensor_parallel_size} needs devices cuda:{first}.."
+                         f"cuda:{first + config.tensor_parallel_size - 1}; this host has "
+                         f"{count}")
+
+
 def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[Any]:
     """The speculative worker (with its runner) when a draft model is configured, else the
-    plain worker. Every step raises out of here: an unreadable head, one that does not fit
-    the target, a bad controller configuration."""
+    plain worker. Every step raises out of here: no device of the kind asked for, an
+    unreadable head, one that does not fit the target, a bad controller configuration."""
+    check_device(config)
     # Refuse a length the model cannot serve (its limit, its sliding window) before any
     # weight is read; `max_model_len` checks the same after the KV cache is sized.
     requested_model_len(config, model_config)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specd.logs import setup_logging
+from specd.logs import inherited_log_format, setup_logging
 from specd.workers.models.config import ModelConfig
 from specd.workers.models.loader import load_model
 from specd.workers.models.registry import CausalLM
@@ -56,7 +56,7 @@ def decode(data: bytes, device: torch.device) -> tuple[str, tuple[Any, ...]]:
 def start_rank(spec: RankSpec, status: StatusPipe) -> RankServer:
     """Join the group (`joining` first) and load this rank's shard; the server of its
     calls. Raises what failed (rank_main.py reports it)."""
-    setup_logging("json", spec.log_level)
+    setup_logging(inherited_log_format(), spec.log_level)  # rank 0's console format
     torch.set_num_threads(spec.num_threads)
     config = spec.config
     world = config.tensor_parallel_size

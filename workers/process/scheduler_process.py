@@ -92,6 +92,11 @@ class EngineLoop:
         self.last_sent = time.monotonic()
         self.last_engine_steps = -1
         self.is_stuck = False  # the last steps scheduled nothing
+        # When a step last moved (applied a step's results or produced tokens): a `Holding`
+        # reports the time since, so the front tells an idle engine holding its requests
+        # from one that works on them.
+        self.last_moved = time.monotonic()
+        self._moved_at_steps = core.num_steps
 
     def run(self) -> None:
         """Until Shutdown: handle every waiting message, then run one step if there is work."""
@@ -113,6 +118,9 @@ class EngineLoop:
         deltas = self.core.step()
         self.num_steps += 1
         now = time.monotonic()
+        if deltas or self.core.num_steps != self._moved_at_steps:
+            self.last_moved = now
+            self._moved_at_steps = self.core.num_steps
         if deltas:
             self.io.send(m.StepOutput(self.num_steps, [token_delta(d) for d in deltas],
                                       prompt_logprobs(deltas)))
@@ -143,6 +151,11 @@ class EngineLoop:
         elif isinstance(message, m.QueryStats):
             stats = dataclasses.asdict(self.core.stats())
             self.io.send(m.QueryReply(message.query_id, stats))
+        elif isinstance(message, m.ForgetFigures):
+            self.core.forget_figures()
+        elif isinstance(message, m.Reconcile):
+            self.io.send(m.Holding(message.query_id, self.core.request_ids(),
+                                   time.monotonic() - self.last_moved))
         elif isinstance(message, m.Shutdown):
             self.is_stopping = True
 

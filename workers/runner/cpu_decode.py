@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specd.logs import one_line
 from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.runner.attention import AttentionMetadata, store_kv
 
@@ -90,7 +91,7 @@ def attend_history_and_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
 def report_compile_failure(logger: logging.Logger, message: str, exc: Exception) -> str:
     """Log a failed compilation once, as one ERROR record with the reason and traceback
     (event `cpu_compile_failed`; call from the except block); returns the reason for status."""
-    reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+    reason = one_line(f"compilation failed: {type(exc).__name__}: {exc}")
     # The traceback comes with exc_info, once (an extra field would print it again).
     logger.error(message, exc_info=True, extra={"event": "cpu_compile_failed", "reason": reason})
     return reason
