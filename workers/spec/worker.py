@@ -49,6 +49,7 @@ from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted, HostTree, PendingSpec, SpecFigures
 from specd.workers.spec.streams import DraftStreams
 from specd.workers.spec.verify import Verifier, verifies
+from specd.workers.structured.outputs import StructuredOutput
 
 __all__ = ["SpecFigures", "SpeculativeWorker", "verify_query_len"]
 
@@ -68,7 +69,8 @@ class _RequestState:
 
 class SpeculativeWorker:
     """Wraps `runner` (built with the head's capture layers) with an EAGLE-3 `head`; the
-    engine's step worker (plain_worker.StepWorker) when a draft model is loaded.
+    engine's step worker (plain_worker.StepWorker) when a draft model is loaded. Constrained
+    rows, verified trees included, are masked by `structured`.
 
     All state is assigned here; the draft KV cache is allocated here (one layer, the target's
     block count and block size). ValueError if the head does not fit the target.
@@ -77,7 +79,7 @@ class SpeculativeWorker:
     speculative = True
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, head: Eagle3Head,
-                 controller: SpecController) -> None:
+                 controller: SpecController, structured: StructuredOutput) -> None:
         cfg = head.config
         target = runner.model_config
         if cfg.target_hidden_size != target.hidden_size:
@@ -96,6 +98,7 @@ class SpeculativeWorker:
         self.runner = runner
         self.head = head
         self.controller = controller
+        self.structured = structured
         self.device = runner.device
         self.num_steps = config.spec_num_steps
         self.num_draft_tokens = verify_query_len(config)
@@ -143,7 +146,8 @@ class SpeculativeWorker:
 
     def _launch_plain(self, batch: ScheduledBatch) -> PendingSpec:
         """A step without trees: the runner's own, its aux rows kept, drafts made after it."""
-        pending = PendingSpec(self.figures, plain=self.runner.launch(batch))
+        pending = PendingSpec(self.figures, plain=self.runner.launch(
+            batch, self.structured.start_masks(batch, self.trees)))
         if batch.is_empty:
             return pending
         aux = self.runner.last_aux_hidden
@@ -162,6 +166,8 @@ class SpeculativeWorker:
         """A step that verifies trees (and runs plain rows beside them)."""
         t0 = time.perf_counter()
         items = list(batch.scheduled)
+        # Constrained rows' masks (every node of their trees) fill beside the forward.
+        masks = self.structured.start_masks(batch, self.trees)
         verifier = self.verifier
         shift = verifier.shifts(items)  # [len(items)] on the device
         self.streams.wait_for_drafts()  # the verify reads what the draft stream wrote
@@ -178,11 +184,12 @@ class SpeculativeWorker:
             logits = self.runner.model.compute_logits(last).float()  # [M, vocab]
             pending.plain = self.runner.sample(
                 logits, [items[i].seq for i in sampling],
-                [-1 if items[i].sample_id is None else items[i].sample_id for i in sampling])
+                [-1 if items[i].sample_id is None else items[i].sample_id for i in sampling],
+                masks)
         verified = [items[i] for i in verify]
         index = upload(torch.tensor(verify, dtype=torch.int64), self.device)
         pending.verified, acc, root = verifier.verify(
-            verified, [rows[i].hidden for i in verify], shift[index], self.trees)
+            verified, [rows[i].hidden for i in verify], shift[index], self.trees, masks)
         self.figures.verify_s += time.perf_counter() - t0
         depth = acc.accepted_nodes.shape[1]
         caught_up = VerifiedRows(
@@ -243,7 +250,8 @@ class SpeculativeWorker:
         speculation is off and the step in flight drafted on the device (the verifies of
         those drafts could not be scheduled without drafting again), nor while drafts the
         host knows wait (a whole step verifies them), nor while a running request has
-        penalties (every token they count must be on the host: `any_counts_its_tokens`)."""
+        penalties or a structured constraint (every token they count must be on the host:
+        `any_counts_its_tokens`)."""
         if any_counts_its_tokens(running):
             return False
         if self.controller.enabled:
