@@ -77,16 +77,18 @@ class StructuredOutput:
     def add(self, request_id: str, constraint: Constraint) -> None:
         """Compile `constraint` for a new request. ValueError when structured output is off
         or the constraint does not compile."""
-        if self.compiler is None:
-            raise ValueError(f"structured output is off for this model ({self.status})")
-        self.grammars[request_id] = RequestGrammar(self.compiler.matcher(constraint))
+        self.grammars[request_id] = self._grammar(constraint)
 
     def check(self, constraint: Constraint, token_ids: list[int]) -> str | None:
         """Why `token_ids` is no prefix of a sentence of `constraint` (None: it is one),
         by a fresh matcher (warm-up and tests check outputs so)."""
+        return self._grammar(constraint).advance(token_ids)
+
+    def _grammar(self, constraint: Constraint) -> RequestGrammar:
         if self.compiler is None:
             raise ValueError(f"structured output is off for this model ({self.status})")
-        return RequestGrammar(self.compiler.matcher(constraint)).advance(token_ids)
+        return RequestGrammar(self.compiler.matcher(constraint),
+                              self.compiler.tokenizer.eos_tokens, self.num_words)
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request (unknown ids are fine)."""

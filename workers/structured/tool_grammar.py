@@ -3,8 +3,9 @@ function): the output is one or more calls, each naming one of the tools and car
 arguments valid for that tool's `parameters` schema (ipc/structured.py's `ToolCall`).
 
 A grammar in llguidance's Lark syntax per format, as the model's chat template writes calls
-(no whitespace of its own around the markers; the arguments are JSON, whitespace as the
-model writes it):
+(no whitespace of its own around the markers; the arguments are JSON as `json.dumps` writes
+it, ", " and ": " between items, no other whitespace: templates render arguments so, and a
+model free to add whitespace may add it forever):
 
     kimi_k2      <|tool_calls_section_begin|>
                  <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>
@@ -99,6 +100,9 @@ def _object_schema(tool: ToolSpec) -> dict[str, Any]:
         raise ValueError(f"tool {tool.name!r}: parameters must be an object schema, got type "
                          f"{kind!r}")
     schema["type"] = "object"
+    # llguidance's own key: the JSON separators of `json.dumps`, no other whitespace.
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                            "key_separator": ": "}
     return schema
 
 
