@@ -173,6 +173,21 @@ def test_greedy_constrained_output_is_the_same_with_speculation(
         assert stats.num_verify_passes > 0 and stats.acceptance_length > 1.0
 
 
+@pytest.mark.parametrize("name", ["hermes", "named", "schema"])
+def test_tokens_the_grammar_forces_are_drafted(name: str) -> None:
+    """The draft head, blind to the grammar, would not guess a tool call's envelope or a
+    schema's keys; the grammar's forced tokens are drafted instead, and accepted."""
+    constraint = dict(CONSTRAINED)[name]
+    core = _core(spec_mode="on", spec_num_steps=5)
+    out = _run(core, {name: (PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS,
+                                                        structured=constraint))})
+    stats = core.stats()
+    assert out[name][1] == "stop"
+    # Measured (tools/bench_structured.py): 5.4 for hermes, 4.5 for the named call, 2.1
+    # for the compact schema; without forced drafts about 1.1 each.
+    assert stats.acceptance_length > {"hermes": 3.0, "named": 3.0, "schema": 1.5}[name]
+
+
 def test_constraints_that_do_not_compile_are_refused() -> None:
     core = _core(speculative_algorithm=None)
     bad = [Regex("(a|"), JsonSchema({"type": 5}), ToolCall("kimi_k2", TOOLS),
@@ -221,6 +236,9 @@ FULL = os.environ.get("SPECD_QUICK_STAT") != "1"
 NUM_SEQS, NUM_TOKENS = (64, 300) if FULL else (32, 160)
 CRITICAL_CHI2_DF2 = 13.82
 LINE = Regex(r"[a-z_ ().,=:0-9\[\]+*-]*")
+# Text the grammar forces between free parts: forced tokens are drafted (and verified by the
+# same rule as the head's drafts).
+FORCED = Regex(r"(self\.[a-z_]{1,16} = [a-z_0-9]{1,16}\n)+")
 
 
 def _rank_statistic(core: EngineCore, outputs: dict[str, tuple[list[int], list[int]]],
@@ -261,15 +279,16 @@ def _rank_statistic(core: EngineCore, outputs: dict[str, tuple[list[int], list[i
 
 
 @pytest.mark.slow  # a minute or more a case on a 2-core machine at the default size
-@pytest.mark.parametrize("options", [
-    {"spec_topk": 1, "spec_num_steps": 3},
-    {"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6},
-], ids=["chain", "tree"])
+@pytest.mark.parametrize("options, constraint", [
+    ({"spec_topk": 1, "spec_num_steps": 3}, LINE),
+    ({"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6}, LINE),
+    ({"spec_topk": 3, "spec_num_steps": 3, "spec_num_draft_tokens": 6}, FORCED),
+], ids=["chain", "tree", "tree-forced"])
 def test_sampled_constrained_tokens_follow_the_constrained_distribution(
-        options: dict[str, Any]) -> None:
+        options: dict[str, Any], constraint: StructuredOutput) -> None:
     core = _core(spec_mode="on", max_num_seqs=NUM_SEQS, seed=1, **options)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=3, ignore_eos=True,
-                            structured=LINE)
+                            structured=constraint)
     outputs: dict[str, tuple[list[int], list[int]]] = {}
     for i in range(NUM_SEQS):
         prompt = PROMPTS[i % len(PROMPTS)][: 7 + i % 11]

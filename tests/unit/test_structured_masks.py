@@ -243,3 +243,21 @@ def test_no_constrained_row_means_no_masks() -> None:
     logits = torch.zeros(1, VOCAB)
     assert masks.apply(logits, [seq]) is logits
     structured.close()
+
+
+def test_the_tokens_a_grammar_forces_are_its_drafts(compiler: GrammarCompiler) -> None:
+    from specd.workers.spec.worker import _holds_path, chain_host_tree
+
+    structured = Structured(FIXTURE_DIR, VOCAB, CONFIG.eos_token_ids, torch.device("cpu"))
+    structured.add("r", Choice(["left or right", "left and right"]))
+    forced = structured.forced_drafts("r", 8)
+    assert compiler.tokenizer.decode_str(forced) == "left"  # then the choice is open
+    assert structured.forced_drafts("r", 1) == forced[:1]
+    assert structured.forced_drafts("unconstrained", 8) == []
+    chain = chain_host_tree(7, forced)
+    assert chain.parents == list(range(-1, len(forced))) and chain.token_ids[1:] == forced
+    assert chain.masks == [(1 << (i + 1)) - 1 for i in range(len(forced) + 1)]
+    assert _holds_path(chain, forced) and not _holds_path(chain, [forced[0] + 1])
+    structured.grammars["r"].ended = True  # past its end only the end of sequence is left
+    assert structured.forced_drafts("r", 8) == []
+    structured.close()

@@ -276,7 +276,10 @@ class SpeculativeWorker:
         device, known by the sample id of that step. Else (that step is resolved and the
         scheduler has applied it): their token ids, read on the host (ValueError for NaN
         drafts or a dropped parent); the worker keeps the trees' shapes for their verify.
-        Sequences released meanwhile are left out."""
+        A constrained sequence whose grammar forces its next tokens drafts those instead,
+        as a chain, unless its tree already holds them as a path (`StructuredOutput.
+        forced_drafts`: the head drafts without the grammar, which forces tokens it would
+        not guess). Sequences released meanwhile are left out."""
         drafted, self._drafted = self._drafted, None
         if drafted is None or not self.controller.enabled:
             return DraftTokenIds()
@@ -289,6 +292,9 @@ class SpeculativeWorker:
         token_ids: dict[str, list[int]] = {}
         for seq, tree in zip(drafted.seqs, drafted.host_trees(), strict=True):
             if seq.request_id in self.states:
+                forced = self.structured.forced_drafts(seq.request_id, self.num_steps)
+                if forced and not _holds_path(tree, forced):
+                    tree = chain_host_tree(tree.token_ids[0], forced)
                 self.trees[seq.request_id] = tree
                 token_ids[seq.request_id] = tree.token_ids[1:]
         return DraftTokenIds(token_ids=token_ids)
@@ -382,6 +388,26 @@ class SpeculativeWorker:
     def graph_memory_bytes(self) -> int:
         """The target's and the draft loop's captured graphs."""
         return self.runner.backend.memory_bytes + self.drafter.loop_runner.memory_bytes
+
+
+def chain_host_tree(root: int, drafts: list[int]) -> HostTree:
+    """The HostTree of a chain: `root`, then `drafts`, node i the parent of node i + 1."""
+    num_nodes = len(drafts) + 1
+    return HostTree(token_ids=[root, *drafts], parents=list(range(-1, num_nodes - 1)),
+                    depths=list(range(num_nodes)),
+                    masks=[(1 << (i + 1)) - 1 for i in range(num_nodes)])
+
+
+def _holds_path(tree: HostTree, tokens: list[int]) -> bool:
+    """Whether `tree` has a path from its root whose tokens start with `tokens`."""
+    node = 0
+    for token in tokens:
+        child = next((c for c in range(node + 1, len(tree.parents))
+                      if tree.parents[c] == node and tree.token_ids[c] == token), None)
+        if child is None:
+            return False
+        node = child
+    return True
 
 
 def verify_query_len(config: EngineConfig) -> int:

@@ -109,6 +109,19 @@ class StructuredOutput:
                 failed[seq.request_id] = error
         return failed
 
+    def forced_drafts(self, request_id: str, limit: int) -> list[int]:
+        """The tokens a request's grammar forces next, at most `limit` (llguidance's
+        fast-forward tokens: bytes only one continuation allows, canonically tokenized;
+        none for an unconstrained request, or one whose grammar ended or failed). The
+        speculative worker drafts them: the draft head, blind to the grammar, would rarely
+        guess them, and verification takes any draft losslessly."""
+        grammar = self.grammars.get(request_id)
+        if grammar is None or grammar.ended or grammar.error is not None:
+            return []
+        self._wait_idle()
+        forced: list[int] = grammar.matcher.compute_ff_tokens()
+        return forced[:limit]
+
     def start_masks(self, batch: ScheduledBatch, trees: Mapping[str, HostTree]) -> StepMasks:
         """The masks of `batch`'s constrained rows, filling on the mask thread; `trees`: the
         shapes of the drafts the batch verifies. NO_MASKS when none is constrained."""
