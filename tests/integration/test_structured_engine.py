@@ -238,7 +238,7 @@ CRITICAL_CHI2_DF2 = 13.82
 LINE = Regex(r"[a-z_ ().,=:0-9\[\]+*-]*")
 # Text the grammar forces between free parts: forced tokens are drafted (and verified by the
 # same rule as the head's drafts).
-FORCED = Regex(r"(self\.[a-z_]{1,16} = [a-z_0-9]{1,16}\n)+")
+FORCED = Regex(r"(def [a-z_]{1,12}\(self, [a-z_]{1,12}\) -> None:\n    return [a-z_]{1,12}\n\n)+")
 
 
 def _rank_statistic(core: EngineCore, outputs: dict[str, tuple[list[int], list[int]]],
