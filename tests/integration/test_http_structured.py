@@ -1,7 +1,9 @@
 """Structured output over the HTTP API of a live daemon (`specd --http`), through the official
 `openai` SDK: a `json_schema` answer (and the SDK's own `parse` with a pydantic model) that
 validates with `jsonschema`, the same greedy text with speculation on and off (the request's
-`speculative` field), and the acceptance the answer's usage reports; vLLM's fields on
+`speculative` field), and the acceptance the answer's usage reports; `tool_choice` required
+and named give `tool_calls` whose arguments validate for their tool's schema (the daemon's
+tool-call parser, Hermes' format, reading what the constraint wrote); vLLM's fields on
 completions; a constraint that does not compile is the SDK's BadRequestError."""
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     tmp = tmp_path_factory.mktemp("http-structured")
     # float32: greedy text comparable with speculation on and off.
     daemon = Daemon(tmp, "--dtype", "float32", "--no-spec-auto-measure", "--spec-mode", "on",
-                    "--http", "127.0.0.1:0").wait_ready()
+                    "--tool-call-parser", "hermes", "--http", "127.0.0.1:0").wait_ready()
     record = daemon.events("http_listening")[0]
     yield openai.OpenAI(base_url=f"http://{record['host']}:{record['port']}/v1",
                         api_key="none", max_retries=0, timeout=300)
@@ -81,6 +83,39 @@ def test_the_sdks_parse_with_a_pydantic_model(api: openai.OpenAI) -> None:
     assert isinstance(parsed, Answer)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1,
+                                                     "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"])
+def test_tool_choice_gives_calls_valid_for_their_schema(api: openai.OpenAI,
+                                                        tool_choice: Any) -> None:
+    answer = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=64, temperature=0, tools=TOOLS, tool_choice=tool_choice,
+        parallel_tool_calls=False)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in choice.message.tool_calls:
+        assert call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    figures = _speculation(answer.usage)
+    print(f"tool_choice {tool_choice}: acceptance length {figures['acceptance_length']:.2f}")
+
+
 def test_vllms_fields_on_completions(api: openai.OpenAI) -> None:
     regex = api.completions.create(model=MODEL, prompt="x = ", max_tokens=16, temperature=0,
                                    extra_body={"guided_regex": "[a-z]{3,6}"})
@@ -100,6 +135,6 @@ def test_a_constraint_that_does_not_compile_is_a_bad_request(api: openai.OpenAI)
         api.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                extra_body={"guided_regex": "(a|"})
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        api.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=4, tool_choice="required",
-            tools=[{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}])
+        api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, tools=TOOLS,
+                                    tool_choice={"type": "function",
+                                                 "function": {"name": "other"}})
