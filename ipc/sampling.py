@@ -11,6 +11,8 @@ import math
 
 import msgspec
 
+from specd.ipc.structured import StructuredOutput
+
 # Temperatures below this are greedy (vLLM's threshold). At T = 1e-5 two logits 0.001 apart
 # already differ by e^100 in probability, so a smaller T changes nothing but near-exact ties,
 # while float32 cannot divide by it (1e-300 rounds to 0). `is_greedy` is the one place that
@@ -64,14 +66,20 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     min_tokens: in [0, max_tokens]: until this many tokens are generated, the tokens that
         would end the request (the model's end-of-sequence tokens unless ignore_eos, and
         stop_token_ids) cannot be sampled (their logits are -inf). Stop strings still end it.
+        Not with `structured` (its grammar decides where the output ends).
     prompt_logprobs: None, or in [0, 20]: the log-probability of every prompt token after
         the first under the model (given the tokens before it), with the n most likely
         alternatives, as `logprobs` reports output tokens (raw distribution). The prompt is
         then computed whole, not taken from the prefix cache.
+    structured: a constraint the output must satisfy (ipc/structured.py: a JSON schema, any
+        JSON object, a regex, a grammar, a choice, or tool calls in the model's format), or
+        None. The engine masks every token the constraint does not allow before sampling
+        (speculative drafts included), and refuses one it cannot compile (`bad_request`).
 
-    The logits are changed in vLLM's order: logit_bias, then repetition_penalty, then
-    frequency_penalty and presence_penalty, then temperature, top-k, top-p and min-p. Greedy
-    requests take the argmax of the changed logits; log-probabilities stay the raw model's.
+    The logits are changed in vLLM's order: the structured constraint's mask (disallowed
+    tokens to -inf), then logit_bias, then repetition_penalty, then frequency_penalty and
+    presence_penalty, then temperature, top-k, top-p and min-p. Greedy requests take the
+    argmax of the changed logits; log-probabilities stay the raw model's.
     """
 
     temperature: float = 0.0
@@ -91,6 +99,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # NaN too
@@ -118,6 +127,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.prompt_logprobs}")
+        if self.structured is not None and self.min_tokens > 0:
+            # The grammar allows the end of sequence exactly where its output is complete;
+            # forbidding it there would leave no token to sample.
+            raise ValueError("min_tokens cannot be combined with structured: the "
+                             "constraint decides where the output ends")
         self._check_penalties()
 
     def _check_penalties(self) -> None:
@@ -157,6 +171,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         """Whether min_tokens can forbid a token: it is set, and some token would end the
         request (the model's EOS unless ignore_eos; stop_token_ids)."""
         return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
+
+    @property
+    def needs_its_tokens(self) -> bool:
+        """Whether every sample depends on every earlier token of the request: its history
+        penalties count them, or its structured constraint's grammar state follows them.
+        Such a request samples only once the host knows them all (the engine runs whole
+        steps while one runs)."""
+        return self.has_history_penalties or self.structured is not None
 
     @property
     def changes_logits(self) -> bool:

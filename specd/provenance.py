@@ -26,7 +26,7 @@ from typing import Any
 PACKAGES = ("specd", "specd.daemon", "specd.ipc", "specd.workers", "specd.kernels",
             "specd.systemd")
 THIRD_PARTY = ("torch", "triton", "pyzmq", "msgspec", "uvloop", "tokenizers", "safetensors",
-               "click")
+               "click", "llguidance")
 
 
 def package_dirs() -> dict[str, Path]:

@@ -198,4 +198,7 @@ class EngineResolved:
     # Tensor parallelism: one entry per rank, "rank R pid P on DEVICE" (rank 0 is the
     # scheduler process); empty in one process. Shown by `specctl status`.
     ranks: tuple[str, ...] = ()
+    # Structured output (workers/structured/): the grammar library and the tokenizer file
+    # its vocabulary was read from, or "off: " and why.
+    structured_output: str = "off"
     expert_parallel: bool = False

@@ -12,9 +12,16 @@ values (`skip_special_tokens: true`, `spaces_between_special_tokens: true`,
 which are what specd does; another value is refused by name. vLLM's `include_reasoning`
 and SGLang's `separate_reasoning` are served (false: the reasoning is dropped, or left in
 the content).
+Structured output (`SamplingParams.structured`, ipc/structured.py): `response_format`
+`json_object` or `json_schema` (OpenAI's), vLLM's extra fields `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` (`json`,
+`regex`, `choice`, `grammar`, `json_object`, `disable_any_whitespace`), SGLang's `regex`,
+`ebnf` and `json_schema`, and for chat a `tool_choice` of `required` or a named function
+(tool calls in the format of `tool_call_format`, the daemon's tool-call parser; without one
+they are refused). One constraint per request: two are refused, naming the second.
 Like OpenAI's API, an unknown field is refused by name, and so is a field specd does not
 implement when it asks for something (`suffix`, `best_of` above 1, a `response_format`
-other than text, a `tool_choice` other than none or auto). The request is then
+other than text, json_object and json_schema). The request is then
 built as the socket's map (`{"prompt": ..., "sampling": {...}}`) and converted with
 `msgspec.convert` into `messages.Generate`, which checks it exactly as a socket frame is
 checked (bounds, token ids, `SamplingParams.__post_init__`); its errors are translated back
@@ -58,6 +65,33 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     continuous_usage_stats: bool | None = None  # usage (so far) in every chunk
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`response_format.json_schema`, as OpenAI defines it (`strict` changes nothing: the
+    output always satisfies the schema)."""
+
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: at most one constraint, and the JSON whitespace switch
+    (which also applies to a `response_format` or `guided_json` given beside it)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The fields both endpoints share."""
 
@@ -92,10 +126,17 @@ class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     stream_reasoning: bool | None = None
     lora_path: str | None = None
     session_params: dict[str, Any] | None = None
-    regex: str | None = None
+    stop_regex: str | list[str] | None = None
+    # Structured output (module docstring)
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None  # SGLang's
     ebnf: str | None = None
     json_schema: str | None = None
-    stop_regex: str | list[str] | None = None
 
 
 class CompletionRequest(_Request, frozen=True):
@@ -118,8 +159,8 @@ class ChatCompletionRequest(_Request, frozen=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # no effect: tool calls are the model's text
-    response_format: dict[str, Any] | None = None
+    # With tool_choice required: whether the answer may hold several calls (default true).
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
@@ -183,24 +224,26 @@ def completion_to_generate(req: CompletionRequest, max_model_len: int = MAX_INT6
     sampling = _sampling(req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         sampling["prompt_logprobs"] = req.logprobs
+    names = {"logprobs": "logprobs", **_add_structured(sampling, constraints(req))}
     options = _options(req, False, req.logprobs, echo=bool(req.echo))
-    return _convert(fields, sampling, req, {"logprobs": "logprobs"}), options
+    return _convert(fields, sampling, req, names), options
 
 
-def chat_to_generate(req: ChatCompletionRequest, max_model_len: int
-                     ) -> tuple[m.Generate, Options]:
+def chat_to_generate(req: ChatCompletionRequest, max_model_len: int,
+                     tool_call_format: str | None = None) -> tuple[m.Generate, Options]:
     """The socket request of a chat body (`max_model_len`: the limit when none is given,
-    and the bound on one that is). Raises HttpError 400."""
+    and the bound on one that is; `tool_call_format`: the format `tool_choice` required or
+    named is served in, the daemon's tool-call parser, one of ipc/structured.py's
+    TOOL_CALL_FORMATS, None when it has none). Raises HttpError 400."""
     _refuse_unsupported(req, max_model_len)
     _check_messages(req.messages)
-    if req.tool_choice not in (None, *TOOL_CHOICES):
-        raise HttpError(400, "tool_choice must be none or auto", "bad_request", "tool_choice")
+    found = constraints(req)
+    tool_call = _tool_choice(req, tool_call_format)
+    if tool_call is not None:
+        found.append(("tool_choice", tool_call))
     if req.continue_final_message:
         raise HttpError(400, "continue_final_message is not supported", "bad_request",
                         "continue_final_message")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise HttpError(400, "response_format must be {\"type\": \"text\"}", "bad_request",
-                        "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise HttpError(400, "top_logprobs needs logprobs: true", "bad_request",
                         "top_logprobs")
@@ -225,7 +268,153 @@ def chat_to_generate(req: ChatCompletionRequest, max_model_len: int
         _options(req, True, num_top, parse_tools=uses_tools),
         parse_reasoning=req.separate_reasoning is not False,
         include_reasoning=req.include_reasoning is not False)
-    return _convert(fields, _sampling(req, max_tokens, num_top), req, names), options
+    sampling = _sampling(req, max_tokens, num_top)
+    names.update(_add_structured(sampling, found))
+    return _convert(fields, sampling, req, names), options
+
+
+def constraints(req: _Request) -> list[tuple[str, dict[str, Any]]]:
+    """The structured-output constraints a body asks for (as the socket's `structured`
+    maps), each with the field that asked: `response_format`, the `guided_*` fields and
+    `structured_outputs`, SGLang's fields. HttpError 400 for a response format specd does
+    not serve and for a JSON schema that is not a JSON object."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if req.response_format is not None:
+        constraint = _response_format(req.response_format)
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    if req.guided_json is not None:
+        found.append(("guided_json", _json_schema(req.guided_json, "guided_json")))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", {"type": "regex", "pattern": req.guided_regex}))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", {"type": "choice", "choices": req.guided_choice}))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", {"type": "grammar", "grammar": req.guided_grammar}))
+    if req.regex is not None:  # SGLang's three
+        found.append(("regex", {"type": "regex", "pattern": req.regex}))
+    if req.ebnf is not None:
+        found.append(("ebnf", {"type": "grammar", "grammar": req.ebnf}))
+    if req.json_schema is not None:
+        found.append(("json_schema", _json_schema(req.json_schema, "json_schema")))
+    outputs = req.structured_outputs
+    if outputs is not None:
+        found += _structured_outputs(outputs)
+        if outputs.disable_any_whitespace:
+            for _, constraint in found:
+                if constraint["type"] in ("json_schema", "json_object"):
+                    constraint["any_whitespace"] = False
+    return found
+
+
+def _response_format(fmt: ResponseFormat) -> dict[str, Any] | None:
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise HttpError(400, "response_format: json_schema needs its json_schema object "
+                            "(name, schema)", "bad_request", "response_format")
+        # No schema: any JSON value, as the empty schema says.
+        return {"type": "json_schema", "schema": fmt.json_schema.schema or {}}
+    raise HttpError(400, f"response_format: type must be text, json_object or json_schema, "
+                    f"got {fmt.type!r}", "bad_request", "response_format")
+
+
+def _structured_outputs(outputs: StructuredOutputs) -> list[tuple[str, dict[str, Any]]]:
+    field = "structured_outputs"
+    found: list[tuple[str, dict[str, Any]]] = []
+    if outputs.json is not None:
+        found.append((field, _json_schema(outputs.json, f"{field}.json")))
+    if outputs.regex is not None:
+        found.append((field, {"type": "regex", "pattern": outputs.regex}))
+    if outputs.choice is not None:
+        found.append((field, {"type": "choice", "choices": outputs.choice}))
+    if outputs.grammar is not None:
+        found.append((field, {"type": "grammar", "grammar": outputs.grammar}))
+    if outputs.json_object:
+        found.append((field, {"type": "json_object"}))
+    return found
+
+
+def _json_schema(schema: str | dict[str, Any], field: str) -> dict[str, Any]:
+    """A json_schema constraint of a schema given as an object or as its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)
+        except msgspec.DecodeError as exc:
+            raise HttpError(400, f"{field}: not valid JSON: {exc}", "bad_request",
+                            field.split(".")[0]) from exc
+    if not isinstance(schema, dict):
+        raise HttpError(400, f"{field}: a JSON schema must be a JSON object", "bad_request",
+                        field.split(".")[0])
+    return {"type": "json_schema", "schema": schema}
+
+
+def _tool_choice(req: ChatCompletionRequest, tool_call_format: str | None
+                 ) -> dict[str, Any] | None:
+    """The tool_call constraint of `tool_choice` required or a named function (None for
+    none, auto or absent). HttpError 400 for another value, without tools, without a
+    tool-call format, or naming a function that is not among the tools."""
+    choice = req.tool_choice
+    if choice is None or choice in TOOL_CHOICES:
+        return None
+    if choice == "required":
+        function = None
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        function = choice["function"]["name"]
+    else:
+        raise HttpError(400, "tool_choice must be none, auto, required or {\"type\": "
+                        "\"function\", \"function\": {\"name\": NAME}}", "bad_request",
+                        "tool_choice")
+    if not req.tools:
+        raise HttpError(400, "tool_choice required or named needs tools", "bad_request",
+                        "tool_choice")
+    if tool_call_format is None:
+        raise HttpError(400, "tool_choice required or named needs the model's tool-call "
+                        "format: start specd with --tool-call-parser NAME", "bad_request",
+                        "tool_choice")
+    tools = [_tool_spec(t) for t in req.tools]
+    if function is not None and function not in [t["name"] for t in tools]:
+        raise HttpError(400, f"tool_choice names {function!r}, which is not among the tools",
+                        "bad_request", "tool_choice")
+    constraint: dict[str, Any] = {"type": "tool_call", "format": tool_call_format,
+                                  "tools": tools}
+    if function is not None:
+        constraint["function"] = function
+    if req.parallel_tool_calls is False:
+        constraint["parallel"] = False
+    return constraint
+
+
+def _tool_spec(tool: Any) -> dict[str, Any]:
+    """A tool's name and parameters, from OpenAI's `{"type": "function", "function":
+    {"name", "description", "parameters"}}` (the rest is the template's)."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise HttpError(400, "tools: each tool must be {\"type\": \"function\", \"function\": "
+                        "{\"name\": ..., \"parameters\": ...}}", "bad_request", "tools")
+    spec: dict[str, Any] = {"name": function["name"]}
+    if function.get("parameters") is not None:
+        spec["parameters"] = function["parameters"]
+    return spec
+
+
+def _add_structured(sampling: dict[str, Any], found: list[tuple[str, dict[str, Any]]]
+                    ) -> dict[str, str]:
+    """Put the one constraint into `sampling`; the socket name -> HTTP name map for its
+    errors. HttpError 400 when a body asks for two."""
+    if len(found) > 1:
+        raise HttpError(400, f"one structured-output constraint per request: {found[0][0]} "
+                        f"and {found[1][0]} both give one", "bad_request", found[1][0])
+    if not found:
+        return {}
+    field, constraint = found[0]
+    sampling["structured"] = constraint
+    return {"structured": field}
 
 
 def choices(generate: m.Generate, num_choices: int) -> list[m.Generate]:
@@ -262,8 +451,7 @@ def _options(req: _Request, is_chat: bool, num_top: int | None, echo: bool = Fal
 ROUTER_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "return_hidden_states": False, "stream_reasoning": True,
-    "lora_path": None, "session_params": None, "regex": None, "ebnf": None,
-    "json_schema": None, "stop_regex": None,
+    "lora_path": None, "session_params": None, "stop_regex": None,
 }
 
 
@@ -375,6 +563,8 @@ def _bad_request(message: str, names: dict[str, str]) -> HttpError:
         message = message[:match.start()]
         if path == "sampling":  # SamplingParams.__post_init__ names the field first
             path = message.split(" ", 1)[0]
+        elif path.startswith("sampling.structured"):
+            path = "structured"  # the HTTP field that gave the constraint (`names`)
         elif path.startswith("sampling."):
             path = path.removeprefix("sampling.")
         elif path.startswith("prompt_token_ids"):

@@ -193,7 +193,8 @@ class HttpServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = params.decode_body(await request.read(), params.ChatCompletionRequest)
         self._check_model(req.model)
-        generate, options = params.chat_to_generate(req, self._max_model_len())
+        generate, options = params.chat_to_generate(req, self._max_model_len(),
+                                                     self.tool_call_parser)
         answer = Answer(options, self.model, self.requests.tokenizer,
                         self._parser_factory(generate, options))
         return await self._generate(request, generate, answer)

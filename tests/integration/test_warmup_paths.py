@@ -25,6 +25,7 @@ from specd.workers.spec import step as spec_step
 from specd.workers.spec import verify
 from specd.workers.spec.controller import SpecController
 from specd.workers.spec.worker import SpeculativeWorker
+from specd.workers.structured.masks import StepMasks
 from tests.integration.daemon_harness import Daemon
 from tests.integration.test_startup_faults import plant_in_scheduler
 
@@ -84,11 +85,17 @@ PATHS: dict[str, tuple[Any, str, Predicate]] = {
         SpecController, "update", lambda event, *a:
             event is not None and event.cause == "batch_at_or_below_resume_mark"),
     "overlapped step": (EngineCore, "_step_overlapped", lambda result, *a: True),
+    "grammar masks in a plain step": (
+        StepMasks, "apply", lambda result, self, logits, seqs: any(
+            s.request_id in self.layout for s in seqs)),
+    "grammar masks in verification": (
+        StepMasks, "apply_tree", lambda result, self, logits, seqs: any(
+            s.request_id in self.layout for s in seqs)),
 }
 
 SPEC_PATHS = {"logprobs of verified tokens", "penalties in verification", "sampled acceptance",
               "plain rows beside a verify", "speculation off above the threshold",
-              "speculation on at the resume mark"}
+              "speculation on at the resume mark", "grammar masks in verification"}
 
 
 def watch(monkeypatch: pytest.MonkeyPatch, labels: set[str],
@@ -157,7 +164,7 @@ def test_a_configuration_that_cannot_switch_skips_that_round_saying_so(
     events = [getattr(r, "event", None) for r in caplog.records]
     assert "warmup_skipped" in events
     (done,) = [r for r in caplog.records if getattr(r, "event", None) == "warmup"]
-    assert done.rounds == ["options"]  # type: ignore[attr-defined]  # an `extra` field
+    assert done.rounds == ["options", "structured"]  # type: ignore[attr-defined]  # `extra`
 
 
 # The incident's paths run in the quick tier; every other path of the default configuration

@@ -13,6 +13,16 @@ from specd.daemon.http import params
 from specd.daemon.http.errors import HttpError
 from specd.ipc import messages as m
 from specd.ipc.sampling import SamplingParams
+from specd.ipc.structured import (
+    Choice,
+    Grammar,
+    JsonObject,
+    JsonSchema,
+    Regex,
+    StructuredOutput,
+    ToolCall,
+    ToolSpec,
+)
 
 MAX_MODEL_LEN = 2048
 
@@ -113,7 +123,7 @@ def test_chat_fields() -> None:
     (completion, {"min_tokens": -1}, "min_tokens"),
     (completion, {"skip_special_tokens": False}, "skip_special_tokens"),
     (chat, {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
-    (chat, {"regex": "[a-z]+"}, "regex"),
+    (chat, {"regex": "[a-z]+", "guided_regex": "a"}, "regex"),  # two constraints: the second named
     (chat, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (chat, {"continue_final_message": True}, "continue_final_message"),
     (completion, {"frobnicate": 1}, "frobnicate"),
@@ -141,8 +151,16 @@ def test_chat_fields() -> None:
     (completion, {"logit_bias": {str(2**31): 1.0}}, "logit_bias"),
     (completion, {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
-    (chat, {"tool_choice": "required"}, "tool_choice"),
-    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"tool_choice": "required"}, "tool_choice"),  # no tools, no tool-call format
+    (chat, {"response_format": {"type": "structural_tag"}}, "response_format"),
+    (chat, {"response_format": {"type": "json_schema"}}, "response_format"),
+    (completion, {"guided_json": "[1]"}, "guided_json"),
+    (completion, {"guided_json": "{"}, "guided_json"),
+    (completion, {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    (chat, {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    (completion, {"structured_outputs": {"grammar": ""}}, "structured_outputs"),
+    (completion, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    (completion, {"guided_choice": []}, "guided_choice"),
     (chat, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0]"),
     (chat, {"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
     (chat, {"messages": [{"role": "user", "content": "x"}] * (m.MAX_MESSAGES + 1)},
@@ -237,3 +255,83 @@ def test_reasoning_switches() -> None:
     assert options.parse_reasoning and options.include_reasoning
     assert not chat(separate_reasoning=False)[1].parse_reasoning
     assert not chat(include_reasoning=False)[1].include_reasoning
+
+# --- structured output ------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS = [{"type": "function", "function": {"name": "get", "description": "d",
+                                            "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "noop"}}]
+
+
+def chat_with(tool_call_format: str | None, **body: Any) -> tuple[m.Generate, params.Options]:
+    raw = json.dumps({"model": "fixture", "messages": [{"role": "user", "content": "hi"}],
+                      **body}).encode()
+    request = params.decode_body(raw, params.ChatCompletionRequest)
+    return params.chat_to_generate(request, MAX_MODEL_LEN, tool_call_format)
+
+
+def test_response_format_and_vllms_fields_become_the_constraint() -> None:
+    json_schema = {"type": "json_schema",
+                   "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    cases: list[tuple[Any, dict[str, Any], StructuredOutput]] = [
+        (chat, {"response_format": {"type": "json_object"}}, JsonObject()),
+        (chat, {"response_format": json_schema}, JsonSchema(SCHEMA)),
+        (completion, {"response_format": json_schema}, JsonSchema(SCHEMA)),
+        (completion, {"guided_json": SCHEMA}, JsonSchema(SCHEMA)),
+        (completion, {"guided_json": json.dumps(SCHEMA)}, JsonSchema(SCHEMA)),
+        (chat, {"guided_regex": "[a-z]+"}, Regex("[a-z]+")),
+        (chat, {"guided_choice": ["yes", "no"]}, Choice(["yes", "no"])),
+        (completion, {"guided_grammar": 'root ::= "x"'}, Grammar('root ::= "x"')),
+        (completion, {"structured_outputs": {"json": SCHEMA}}, JsonSchema(SCHEMA)),
+        (completion, {"structured_outputs": {"regex": "a+"}}, Regex("a+")),
+        (completion, {"structured_outputs": {"choice": ["a"]}}, Choice(["a"])),
+        (completion, {"structured_outputs": {"grammar": "start: \"a\""}},
+         Grammar("start: \"a\"")),
+        (completion, {"structured_outputs": {"json_object": True}}, JsonObject()),
+        (completion, {"regex": "a+"}, Regex("a+")),  # SGLang's fields
+        (chat, {"ebnf": 'root ::= "x"'}, Grammar('root ::= "x"')),
+        (completion, {"json_schema": json.dumps(SCHEMA)}, JsonSchema(SCHEMA)),
+        (chat, {"response_format": json_schema,
+                "structured_outputs": {"disable_any_whitespace": True}},
+         JsonSchema(SCHEMA, any_whitespace=False)),
+    ]
+    for build, body, constraint in cases:
+        generate, _ = build(**body)
+        assert generate.sampling.structured == constraint, body
+        frame = msgspec.msgpack.encode(generate)  # what the socket would take as it is
+        assert msgspec.msgpack.decode(frame, type=m.ClientMessage) == generate
+    generate, _ = chat(response_format={"type": "text"})
+    assert generate.sampling.structured is None
+
+
+def test_tool_choice_required_or_named_is_a_tool_call_constraint() -> None:
+    generate, _ = chat_with("hermes", tools=TOOLS, tool_choice="required")
+    assert generate.sampling.structured == ToolCall(
+        "hermes", [ToolSpec("get", SCHEMA), ToolSpec("noop")])
+    assert generate.tools == TOOLS  # the template still renders them
+    generate, _ = chat_with("kimi_k2", tools=TOOLS, parallel_tool_calls=False,
+                            tool_choice={"type": "function", "function": {"name": "get"}})
+    assert generate.sampling.structured == ToolCall(
+        "kimi_k2", [ToolSpec("get", SCHEMA), ToolSpec("noop")], function="get",
+        parallel=False)
+    generate, _ = chat_with("hermes", tools=TOOLS, tool_choice="auto")
+    assert generate.sampling.structured is None
+
+
+@pytest.mark.parametrize("fmt, body", [
+    (None, {"tools": TOOLS, "tool_choice": "required"}),  # the daemon has no tool-call format
+    ("hermes", {"tool_choice": "required"}),  # no tools
+    ("hermes", {"tools": TOOLS, "tool_choice": {"type": "function",
+                                                "function": {"name": "other"}}}),
+    ("hermes", {"tools": TOOLS, "tool_choice": {"type": "function"}}),
+    ("hermes", {"tools": [{"type": "function", "function": {"name": "a b"}}],
+                "tool_choice": "required"}),
+    ("nope", {"tools": TOOLS, "tool_choice": "required"}),
+    ("hermes", {"tools": TOOLS, "tool_choice": "required",
+                "response_format": {"type": "json_object"}}),
+])
+def test_tool_choice_refusals_name_it(fmt: str | None, body: dict[str, Any]) -> None:
+    with pytest.raises(HttpError) as raised:
+        chat_with(fmt, **body)
+    assert raised.value.status == 400 and raised.value.param == "tool_choice", raised.value

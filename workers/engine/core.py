@@ -5,7 +5,9 @@ One step reads `schedule -> execute -> update`. The engine holds one step worker
 (workers/engine/plain_worker.py): the speculative worker with a draft model, the plain worker
 without, both behind the same interface, so the loop has no branch on whether speculation
 exists. A step that raises is isolated (workers/engine/isolation.py): the request that caused it
-fails, the others go on.
+fails, the others go on. A structured-output request (workers/structured/) has its grammar
+compiled when it is added and advanced on the tokens each step keeps; one whose grammar
+fails ends with an error, the others going on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from specd.ipc.sampling import SamplingParams
 from specd.logs import one_line
@@ -32,6 +36,7 @@ from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.driver import RankFailed
 from specd.workers.spec.acceptance_watch import AcceptanceWatch
 from specd.workers.spec.worker import SpeculativeWorker
+from specd.workers.structured.outputs import StructuredOutput
 
 log = logging.getLogger("specd.engine")
 
@@ -52,9 +57,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_path)
+        # Constrained requests' grammars and masks, over the model's own vocabulary (read
+        # from its tokenizer files here: the front's tokenizer stays in the front).
+        self.structured = StructuredOutput(
+            config.model_path, self.model_config.vocab_size, self.model_config.eos_token_ids,
+            torch.device(config.device))
         # With a draft model the speculative worker (whose runner captures the head's
         # hidden states every step), else the plain worker.
-        self.worker: StepWorker[Any] = build_worker(config, self.model_config)
+        self.worker: StepWorker[Any] = build_worker(config, self.model_config, self.structured)
         self.runner = self.worker.runner  # the target's
         self.max_model_len = max_model_len(config, self.model_config, self.runner.num_kv_blocks)
         self.scheduler = Scheduler(
@@ -91,13 +101,15 @@ class EngineCore:
     def resolved(self) -> EngineResolved:
         """What the engine found at start-up (and what its graphs or compiled decode came
         to, which warm-up may change: a compilation that failed)."""
-        return engine_resolved(self.config, self.worker, self.model_config, self.max_model_len)
+        return engine_resolved(self.config, self.worker, self.model_config, self.max_model_len,
+                               self.structured)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
-        """Queue a request. ValueError for a duplicate id, an empty or too-long prompt, or
-        token ids (of the prompt or of logit_bias) outside the vocabulary."""
+        """Queue a request. ValueError for a duplicate id, an empty or too-long prompt,
+        token ids (of the prompt or of logit_bias) outside the vocabulary, or a structured
+        constraint that does not compile (or structured output off)."""
         if request_id in self._num_emitted:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -111,7 +123,14 @@ class EngineCore:
         bad = [t for t in sampling.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
-        self.scheduler.add(Seq(request_id, prompt_token_ids, sampling))
+        seq = Seq(request_id, prompt_token_ids, sampling)
+        if sampling.structured is not None:
+            self.structured.add(request_id, sampling.structured)
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            self.structured.release(request_id)
+            raise
         self._num_emitted[request_id] = 0
         if sampling.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = []
@@ -126,8 +145,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what outlives the object: the worker ranks of a tensor-parallel model
-        (nothing in one process). The engine is unusable after."""
+        (nothing in one process) and the mask thread. The engine is unusable after."""
         self.runner.close()
+        self.structured.close()
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
@@ -173,12 +193,15 @@ class EngineCore:
         else:
             self.isolation.after_step(self.scheduler.sequences, self._num_steps > num_steps)
         for request_id, error in self.isolation.take_culprits().items():
-            seq = self.scheduler.abort(request_id, FinishReason.ERROR)
-            if seq is not None:  # not aborted meanwhile
-                self._outbox.append(dataclasses.replace(self._delta(seq, []),
-                                                        error=describe(error)))
+            self._end_with_error(request_id, describe(error))
         deltas, self._outbox = self._outbox, []
         return deltas
+
+    def _end_with_error(self, request_id: str, error: str) -> None:
+        """End a request with finish reason "error" and `error` (its last delta)."""
+        seq = self.scheduler.abort(request_id, FinishReason.ERROR)
+        if seq is not None:  # not aborted meanwhile
+            self._outbox.append(dataclasses.replace(self._delta(seq, []), error=error))
 
     def _execute(self, alone: str | None) -> None:
         """Overlapped (launch this step, then process the one in flight) or whole (launch
@@ -243,8 +266,13 @@ class EngineCore:
         for request_id, computed in output.prompt_logprobs.items():
             self._add_prompt_logprobs(request_id, computed)
         updated = self.scheduler.update(batch, output)
+        failed = self.structured.advance(updated)  # grammars take the tokens kept
         self._outbox += [self._delta(seq, output.logprobs.get(seq.request_id, []))
-                         for seq in updated]
+                         for seq in updated if seq.request_id not in failed]
+        for request_id, error in failed.items():
+            log.error("request %s failed: %s", request_id, error,
+                      extra={"event": "request_failed", "request_id": request_id})
+            self._end_with_error(request_id, f"structured output: {error}")
         speculated = self.worker.ran_speculating(pending, overlapped)  # before the decision
         log_switch(self.worker.update_controller(self.scheduler.num_running))
         figures = self.worker.figures
@@ -332,6 +360,7 @@ class EngineCore:
         self._num_emitted.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.worker.release(request_id)
+        self.structured.release(request_id)
 
     def set_spec_mode(self, mode: str, threshold: int | None = None) -> None:
         """Change speculation at run time: mode on|off|auto, and the auto threshold (the

@@ -20,6 +20,7 @@ from specd.workers.engine.sequence import any_counts_its_tokens
 from specd.workers.runner.model_runner import ModelRunner, PendingOutput
 from specd.workers.spec.controller import SpecEvent
 from specd.workers.spec.step import SpecFigures
+from specd.workers.structured.outputs import StructuredOutput
 
 
 class Pending(Protocol):
@@ -169,12 +170,14 @@ class NoSpeculation:
 
 
 class PlainWorker:
-    """Plain decoding behind the step worker's interface: every step is `runner`'s own."""
+    """Plain decoding behind the step worker's interface: every step is `runner`'s own, its
+    constrained rows masked by `structured`."""
 
     speculative = False
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, structured: StructuredOutput) -> None:
         self.runner = runner
+        self.structured = structured
         self.controller = NoSpeculation()
         self.figures = SpecFigures()  # zero: nothing is drafted
 
@@ -183,11 +186,11 @@ class PlainWorker:
         return self.launch(batch).resolve()
 
     def launch(self, batch: ScheduledBatch) -> PendingOutput:
-        return self.runner.launch(batch)
+        return self.runner.launch(batch, self.structured.start_masks(batch, {}))
 
     def can_overlap(self, in_flight: PendingOutput | None, running: Sequence[Seq]) -> bool:
-        """Unless a running request has penalties (they count every earlier token, which
-        must be on the host: `any_counts_its_tokens`)."""
+        """Unless a running request has penalties or a structured constraint (they count
+        every earlier token, which must be on the host: `any_counts_its_tokens`)."""
         return not any_counts_its_tokens(running)
 
     def ran_speculating(self, pending: PendingOutput, overlapped: bool) -> bool:

@@ -46,7 +46,7 @@ class Sequence:
         self.sampling = sampling
         # Read by every step's overlap decision (`any_counts_its_tokens`): decided once,
         # but for min_tokens, whose mask needs the count only until it is reached.
-        self._has_history_penalties = sampling.has_history_penalties
+        self._needs_its_tokens = sampling.needs_its_tokens
         self._masks_stop_tokens = sampling.masks_stop_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
@@ -70,9 +70,10 @@ class Sequence:
 
     @property
     def counts_its_tokens(self) -> bool:
-        """Whether this sequence's sampling depends on its earlier tokens: penalties, or a
-        min_tokens mask not yet lifted (workers/runner/min_tokens.py)."""
-        return self._has_history_penalties or (
+        """Whether this sequence's sampling depends on its earlier tokens: penalties, a
+        structured constraint, or a min_tokens mask not yet lifted
+        (workers/runner/min_tokens.py)."""
+        return self._needs_its_tokens or (
             self._masks_stop_tokens and self.num_output_tokens < self.sampling.min_tokens)
 
     @property
@@ -149,9 +150,9 @@ class Sequence:
 
 def any_counts_its_tokens(seqs: Iterable[Sequence]) -> bool:
     """Whether some sequence's sampling counts its earlier tokens (repetition, frequency or
-    presence penalty; min_tokens not yet reached). Those samples need every earlier token
-    on the host, so while such a sequence runs the workers run whole steps (no overlap, no
-    lagged verify)."""
+    presence penalty, a structured constraint's grammar state; min_tokens not yet reached).
+    Those samples need every earlier token on the host, so while such a sequence runs the
+    workers run whole steps (no overlap, no lagged verify)."""
     return any(s.counts_its_tokens for s in seqs)
 
 

@@ -23,6 +23,7 @@ from specd.workers.spec.draft_config import resolve_aux_layer_ids
 from specd.workers.spec.draft_model import load_draft_head
 from specd.workers.spec.head_files import read_draft_config
 from specd.workers.spec.worker import SpeculativeWorker, verify_query_len
+from specd.workers.structured.outputs import StructuredOutput
 
 log = logging.getLogger("specd.engine")
 
@@ -53,10 +54,12 @@ def check_device(config: EngineConfig) -> None:
                          f"{count}")
 
 
-def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[Any]:
+def build_worker(config: EngineConfig, model_config: ModelConfig,
+                 structured: StructuredOutput) -> StepWorker[Any]:
     """The speculative worker (with its runner) when a draft model is configured, else the
-    plain worker. Every step raises out of here: no device of the kind asked for, an
-    unreadable head, one that does not fit the target, a bad controller configuration."""
+    plain worker; both mask constrained rows with `structured`. Every step raises out of
+    here: no device of the kind asked for, an unreadable head, one that does not fit the
+    target, a bad controller configuration."""
     check_device(config)
     # Refuse a length the model cannot serve (its limit, its sliding window) before any
     # weight is read; `max_model_len` checks the same after the KV cache is sized.
@@ -66,7 +69,7 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
     check_int4_storage(model_config)
     path = config.draft_model_path
     if config.speculative_algorithm is None or path is None:
-        return PlainWorker(ModelRunner(config, model_config))
+        return PlainWorker(ModelRunner(config, model_config), structured)
     draft_config = read_draft_config(path)
     aux_layers = resolve_aux_layer_ids(draft_config, model_config.num_layers)
     # The head's K/V cache has the target's blocks, and its weights and captured loops take
@@ -87,13 +90,14 @@ def build_worker(config: EngineConfig, model_config: ModelConfig) -> StepWorker[
                            device=runner.device)
     controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
                                 measure=config.spec_auto_measure)
-    return SpeculativeWorker(config, runner, head, controller)
+    return SpeculativeWorker(config, runner, head, controller, structured)
 
 
 def engine_resolved(config: EngineConfig, worker: StepWorker[Any], model_config: ModelConfig,
-                    max_model_len: int) -> EngineResolved:
+                    max_model_len: int, structured: StructuredOutput) -> EngineResolved:
     """What an engine of `config` found at start-up (`EngineCore.resolved`): its worker's
-    runner, graphs and KV budget, the model's EOS ids, the longest sequence served."""
+    runner, graphs and KV budget, the model's EOS ids, the longest sequence served, and
+    whether it serves structured output."""
     runner = worker.runner
     budget = runner.kv_budget
     if config.num_kv_blocks is not None:  # the budget did not decide: report the blocks'
@@ -119,6 +123,7 @@ def engine_resolved(config: EngineConfig, worker: StepWorker[Any], model_config:
         kv_cache_tokens=runner.num_kv_blocks * config.block_size,
         ranks=() if runner.driver is None else runner.driver.ranks(),
         expert_parallel=config.expert_parallel,
+        structured_output=structured.status,
     )
 
 

@@ -30,6 +30,11 @@ that warm-up stays cheap (it runs at every start; docs/operations.md has its cos
    fits the model and is cheap (on CUDA, or a budget of at most CPU_CHUNKED_MAX_TOKENS).
 4. **compiled** (`--cpu-compile`): decode and verify at batch 1 and 2 in each mode, so
    that every compiled step kind compiles now.
+5. **structured** (when the model has a tokenizer: structured output is on; with a draft
+   model speculation forced on, so the masks of plain samples and of verified chains or
+   trees are built and applied): a JSON schema greedily with log-probabilities, the same
+   schema sampled with a seed, and a tool call (Hermes' format, which every tokenizer can
+   write). Each output is checked against its grammar as well.
 
 With overlap scheduling enabled every round runs overlapped (the penalties request makes
 its steps whole while it runs, as in serving). Mode switches made by warm-up itself are
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specd.ipc.sampling import SamplingParams
+from specd.ipc.structured import JsonSchema, StructuredOutput, ToolCall, ToolSpec
 from specd.workers.config import EngineConfig
 from specd.workers.engine.records import RequestDelta
 from specd.workers.models.config import ModelConfig
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
     from specd.workers.engine.plain_worker import StepWorker
     from specd.workers.runner.model_runner import ModelRunner
     from specd.workers.spec.worker import SpeculativeWorker
+    from specd.workers.structured.outputs import StructuredOutput as Structured
 
 log = logging.getLogger("specd.engine")
 
@@ -68,6 +75,7 @@ class WarmedEngine(Protocol):
     max_model_len: int
     runner: ModelRunner
     worker: StepWorker[Any]
+    structured: Structured
 
     @property
     def spec(self) -> SpeculativeWorker | None: ...
@@ -155,6 +163,8 @@ def warm_up(core: WarmedEngine) -> None:
             max_tokens=2, ignore_eos=True))], ran, "chunked")
     if core.runner.backend.compiles:
         _warm_compiled(core, plan, ran)
+    if core.structured.enabled:
+        _structured_round(core, plan, ran)
     core.worker.controller.forget_measurements()
     log.info("warm-up ran %s in %.2f s", ", ".join(ran), time.perf_counter() - t0,
              extra={"event": "warmup", "rounds": ran,
@@ -267,6 +277,52 @@ def _warm_compiled(core: WarmedEngine, plan: _Plan, ran: list[str]) -> None:
                                     SamplingParams(max_tokens=24, ignore_eos=True))
                         for i in range(batch)], ran, f"compiled {mode} {batch}")
     controller.set_mode(saved)
+
+
+# Bounded everywhere, so that any model ends it within a few tokens once the mask allows EOS.
+WARM_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                      "maximum": 9}},
+               "required": ["n"], "additionalProperties": False}
+
+
+def _structured_round(core: WarmedEngine, plan: _Plan, ran: list[str]) -> None:
+    """Round 5 (module docstring)."""
+    schema = JsonSchema(WARM_SCHEMA)
+    tool = ToolCall("hermes", [ToolSpec("f", WARM_SCHEMA)], function="f")
+    requests = [
+        WarmRequest("json_greedy", plan.prompt(SHORT_PROMPT_LEN, 11),
+                    SamplingParams(max_tokens=12, logprobs=1, structured=schema)),
+        WarmRequest("json_sampled", plan.prompt(SHORT_PROMPT_LEN, 12), SamplingParams(
+            max_tokens=12, temperature=0.8, seed=2, top_k=8, structured=schema)),
+        WarmRequest("tool_call", plan.prompt(SHORT_PROMPT_LEN, 13),
+                    SamplingParams(max_tokens=12, structured=tool)),
+    ]
+    controller = core.worker.controller
+    saved = controller.mode
+    if "on" in controller.modes:
+        controller.set_mode("on")
+    outputs = {r.name: _Output() for r in requests}
+    for r in requests:
+        core.add_request(_request_id(r.name), r.prompt, r.sampling)
+    steps = 0
+    while core.has_unfinished():
+        steps = _step(core, outputs, steps)
+    controller.set_mode(saved)
+    _check(outputs, {r.name: r.sampling for r in requests})
+    for r in requests:
+        _check_grammar(core, r.name, r.sampling.structured, outputs[r.name].token_ids)
+    ran.append("structured")
+
+
+def _check_grammar(core: WarmedEngine, name: str, constraint: StructuredOutput | None,
+                   token_ids: list[int]) -> None:
+    """The output is a prefix of a sentence of its grammar (a fresh matcher takes it all)."""
+    if constraint is None:
+        raise WarmUpFailed(f"warm-up request {name}: no constraint to check")
+    error = core.structured.check(constraint, token_ids)
+    if error is not None:
+        raise WarmUpFailed(f"warm-up request {name}: its output {token_ids} breaks its "
+                           f"grammar: {error}")
 
 
 def _run(core: WarmedEngine, requests: list[WarmRequest], ran: list[str], name: str) -> None:

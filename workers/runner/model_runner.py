@@ -56,6 +56,7 @@ from specd.workers.runner.prompt_logprobs import (
     launch_prompt_logprobs,
 )
 from specd.workers.runner.step_inputs import StepInputs, prepare_inputs
+from specd.workers.structured.masks import NO_MASKS, StepMasks
 
 # prepare_inputs and StepInputs live in step_inputs.py (the backends build steps too); they
 # are part of the runner's interface.
@@ -203,10 +204,12 @@ class ModelRunner:
         return self.launch(batch).resolve()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingOutput:
+    def launch(self, batch: ScheduledBatch, masks: StepMasks = NO_MASKS) -> PendingOutput:
         """Launch one plain step (placeholders resolved on the device, samples written to
         `future_tokens`); the host reads the results through `resolve()` when it needs
-        them, which overlap scheduling defers until the next step is launched."""
+        them, which overlap scheduling defers until the next step is launched. `masks`:
+        the structured-output masks of the batch's constrained rows (their fill, started
+        before, runs beside the forward)."""
         drafted = [s.seq.request_id for s in batch.scheduled if s.num_drafts]
         if drafted:
             raise ValueError(f"execute runs plain steps; requests {drafted} carry draft tokens "
@@ -219,8 +222,8 @@ class ModelRunner:
         if not step.sample_seqs:
             return PendingOutput([], None, None, self.logprobs, prompt)
         logits = self.model.compute_logits(step.hidden[step.sample_rows]).float()  # [M, V]
-        return dataclasses.replace(self.sample(logits, step.sample_seqs, step.sample_ids),
-                                   prompt=prompt)
+        return dataclasses.replace(self.sample(logits, step.sample_seqs, step.sample_ids,
+                                               masks), prompt=prompt)
 
     def prompt_logprobs(self, items: list[ScheduledSequence], hidden: list[torch.Tensor]
                         ) -> PendingPromptLogprobs | None:
@@ -237,15 +240,16 @@ class ModelRunner:
         self.last_hidden, self.last_aux_hidden = hidden, aux
         return hidden
 
-    def sample(self, logits: torch.Tensor, seqs: list[Seq], sample_ids: list[int]
-               ) -> PendingOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[Seq], sample_ids: list[int],
+               masks: StepMasks = NO_MASKS) -> PendingOutput:
         """Sample one token per row of logits [M, vocab] (row i for seqs[i]), write them to
         `future_tokens` under `sample_ids` (all >= 0, or the step resolves nothing there)
-        and start their copy to the host."""
+        and start their copy to the host. Constrained rows take their `masks` first."""
         params = [s.sampling for s in seqs]
-        # Penalties and logit biases, then min_tokens' mask (each skipped when no row has
-        # any); logprobs stay raw.
-        changed = mask_stop_tokens(sampler.penalize(logits, params, seqs), params, seqs,
+        # Grammar masks, penalties and logit biases, then min_tokens' mask (each skipped
+        # when no row has any); logprobs stay raw.
+        constrained = masks.apply(logits, seqs)
+        changed = mask_stop_tokens(sampler.penalize(constrained, params, seqs), params, seqs,
                                    self.model_config.eos_token_ids)
         tokens = sampler.sample(changed, params, self.generators_of(seqs),
                                 self.default_generator)

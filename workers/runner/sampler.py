@@ -1,8 +1,10 @@
 """Sampling: pure torch functions from logits to next tokens, one row per request.
 
 Rows in one batch may carry different `SamplingParams`; every function works on the whole
-batch at once. First `penalize` changes the logits of the rows that ask for it, in vLLM's
-order (transformers applies the same repetition rule):
+batch at once. A row with a structured-output constraint first has the tokens its grammar
+forbids set to -inf (`apply_token_masks`, one bit per token id: workers/structured/). Then
+`penalize` changes the logits of the rows that ask for it, in vLLM's order (transformers
+applies the same repetition rule):
 
     logit_bias:          logits[t] += bias[t]
     repetition_penalty:  for t in prompt or output: logits[t] = logits[t] / r if > 0 else * r
@@ -101,6 +103,26 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams],
     changed = apply_penalties(logits.float()[index], [params[i] for i in rows], prompt_mask,
                               output_counts)
     return logits.float().index_copy(0, index, changed)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, bitmasks: torch.Tensor
+                      ) -> torch.Tensor:
+    """Float32 logits [M, V] with row rows[r] keeping only the tokens bitmasks[r] allows, the
+    others at -inf: rows int64 [R], bitmasks int32 [R, W] with bit b of word w for token
+    32 w + b (llguidance's layout; tokens past 32 W are disallowed). Every other row is
+    unchanged. A -inf logit stays -inf through penalties and biases, so masking first or
+    last gives the same distribution."""
+    if logits.dim() != 2 or bitmasks.dim() != 2 or rows.shape[0] != bitmasks.shape[0]:
+        raise ValueError(f"logits [M, V], rows [R] and bitmasks [R, W] expected, got "
+                         f"{tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(bitmasks.shape)}")
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
+    allowed = ((bitmasks[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]  # [R, <= V]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits = logits.float()
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def history_tensors(histories: Sequence[TokenHistory], vocab_size: int, device: torch.device

@@ -10,8 +10,11 @@ positions, tree masks, KV lengths and slots are completed on the device: attenti
 `shift`). Plain rows (prefill chunks, sequences that do not speculate) run beside them,
 their placeholders resolved from the runner's `future_tokens` as in plain steps.
 
-Acceptance reads the penalized target distribution (`accept.penalize_tree`: each node's
-penalties count the drafts on its path). Requests with history penalties are never verified
+Acceptance reads the constrained, penalized target distribution: a structured-output
+request's rows take their grammar masks first, each node's from the grammar state of its
+path (workers/structured/: a draft the grammar forbids has probability 0 at its parent, so
+acceptance stops before it), then `accept.penalize_tree` (each node's penalties count the
+drafts on its path). Requests with history penalties or a constraint are never verified
 lagged: their tokens must all be on the host, so the workers run them in whole steps.
 
 Acceptance runs fixed loops on a GPU (`accept_tree(max_depth, max_children)`, nothing read
@@ -39,6 +42,7 @@ from specd.workers.spec.accept import Acceptance, accept_tree, penalize_tree
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import HostTree, Verified
 from specd.workers.spec.tree import DraftTree, signed64
+from specd.workers.structured.masks import StepMasks
 
 
 def verifies(s: ScheduledSequence) -> bool:
@@ -164,11 +168,11 @@ class Verifier:
                 for s, off in zip(group, offsets, strict=True)]
 
     def verify(self, items: list[ScheduledSequence], hidden: list[torch.Tensor],
-               shift: torch.Tensor, trees: dict[str, HostTree]
+               shift: torch.Tensor, trees: dict[str, HostTree], masks: StepMasks
                ) -> tuple[Verified, Acceptance, torch.Tensor]:
         """Accept on the device: `items` verify, hidden[b] [T_b, H] their forward rows,
-        shift [V] their `shifts`. Returns what resolving reads, the acceptance and the
-        roots' positions int64 [V]."""
+        shift [V] their `shifts`, `masks` the step's (their constrained trees'). Returns
+        what resolving reads, the acceptance and the roots' positions int64 [V]."""
         runner, device = self.runner, self.device
         width = max(s.num_new_tokens for s in items)
         padded = torch.stack([F.pad(h, (0, 0, 0, width - h.shape[0]))
@@ -178,11 +182,13 @@ class Verifier:
         tree = self._trees(items, width, trees)
         depth = min(self.num_steps, width - 1)
         seqs = [s.seq for s in items]
-        # Penalties count each node's path (accept.penalize_tree), and so does min_tokens'
-        # mask (its depth); log-probabilities stay raw.
+        # Grammar masks per node, then penalties counting each node's path
+        # (accept.penalize_tree), and so does min_tokens' mask (its depth); log-probabilities
+        # stay raw.
         params = [s.sampling for s in seqs]
-        target = mask_tree_stop_tokens(penalize_tree(logits, tree, params, seqs), tree, params,
-                                       seqs, runner.model_config.eos_token_ids)
+        target = mask_tree_stop_tokens(
+            penalize_tree(masks.apply_tree(logits, seqs), tree, params, seqs), tree, params,
+            seqs, runner.model_config.eos_token_ids)
         acc = self._accept(tree, target, seqs, depth)
         bonus = acc.token_ids.gather(1, acc.num_accepted[:, None])[:, 0]
         sample_ids = [s.sample_id or 0 for s in items]

@@ -49,6 +49,7 @@ from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted, HostTree, PendingSpec, SpecFigures
 from specd.workers.spec.streams import DraftStreams
 from specd.workers.spec.verify import Verifier, verifies
+from specd.workers.structured.outputs import StructuredOutput
 
 __all__ = ["SpecFigures", "SpeculativeWorker", "verify_query_len"]
 
@@ -68,7 +69,8 @@ class _RequestState:
 
 class SpeculativeWorker:
     """Wraps `runner` (built with the head's capture layers) with an EAGLE-3 `head`; the
-    engine's step worker (plain_worker.StepWorker) when a draft model is loaded.
+    engine's step worker (plain_worker.StepWorker) when a draft model is loaded. Constrained
+    rows, verified trees included, are masked by `structured`.
 
     All state is assigned here; the draft KV cache is allocated here (one layer, the target's
     block count and block size). ValueError if the head does not fit the target.
@@ -77,7 +79,7 @@ class SpeculativeWorker:
     speculative = True
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, head: Eagle3Head,
-                 controller: SpecController) -> None:
+                 controller: SpecController, structured: StructuredOutput) -> None:
         cfg = head.config
         target = runner.model_config
         if cfg.target_hidden_size != target.hidden_size:
@@ -96,6 +98,7 @@ class SpeculativeWorker:
         self.runner = runner
         self.head = head
         self.controller = controller
+        self.structured = structured
         self.device = runner.device
         self.num_steps = config.spec_num_steps
         self.num_draft_tokens = verify_query_len(config)
@@ -143,7 +146,8 @@ class SpeculativeWorker:
 
     def _launch_plain(self, batch: ScheduledBatch) -> PendingSpec:
         """A step without trees: the runner's own, its aux rows kept, drafts made after it."""
-        pending = PendingSpec(self.figures, plain=self.runner.launch(batch))
+        pending = PendingSpec(self.figures, plain=self.runner.launch(
+            batch, self.structured.start_masks(batch, self.trees)))
         if batch.is_empty:
             return pending
         aux = self.runner.last_aux_hidden
@@ -162,6 +166,8 @@ class SpeculativeWorker:
         """A step that verifies trees (and runs plain rows beside them)."""
         t0 = time.perf_counter()
         items = list(batch.scheduled)
+        # Constrained rows' masks (every node of their trees) fill beside the forward.
+        masks = self.structured.start_masks(batch, self.trees)
         verifier = self.verifier
         shift = verifier.shifts(items)  # [len(items)] on the device
         self.streams.wait_for_drafts()  # the verify reads what the draft stream wrote
@@ -178,11 +184,12 @@ class SpeculativeWorker:
             logits = self.runner.model.compute_logits(last).float()  # [M, vocab]
             pending.plain = self.runner.sample(
                 logits, [items[i].seq for i in sampling],
-                [-1 if items[i].sample_id is None else items[i].sample_id for i in sampling])
+                [-1 if items[i].sample_id is None else items[i].sample_id for i in sampling],
+                masks)
         verified = [items[i] for i in verify]
         index = upload(torch.tensor(verify, dtype=torch.int64), self.device)
         pending.verified, acc, root = verifier.verify(
-            verified, [rows[i].hidden for i in verify], shift[index], self.trees)
+            verified, [rows[i].hidden for i in verify], shift[index], self.trees, masks)
         self.figures.verify_s += time.perf_counter() - t0
         depth = acc.accepted_nodes.shape[1]
         caught_up = VerifiedRows(
@@ -243,7 +250,8 @@ class SpeculativeWorker:
         speculation is off and the step in flight drafted on the device (the verifies of
         those drafts could not be scheduled without drafting again), nor while drafts the
         host knows wait (a whole step verifies them), nor while a running request has
-        penalties (every token they count must be on the host: `any_counts_its_tokens`)."""
+        penalties or a structured constraint (every token they count must be on the host:
+        `any_counts_its_tokens`)."""
         if any_counts_its_tokens(running):
             return False
         if self.controller.enabled:
@@ -268,7 +276,10 @@ class SpeculativeWorker:
         device, known by the sample id of that step. Else (that step is resolved and the
         scheduler has applied it): their token ids, read on the host (ValueError for NaN
         drafts or a dropped parent); the worker keeps the trees' shapes for their verify.
-        Sequences released meanwhile are left out."""
+        A constrained sequence whose grammar forces its next tokens drafts those instead,
+        as a chain, unless its tree already holds them as a path (`StructuredOutput.
+        forced_drafts`: the head drafts without the grammar, which forces tokens it would
+        not guess). Sequences released meanwhile are left out."""
         drafted, self._drafted = self._drafted, None
         if drafted is None or not self.controller.enabled:
             return DraftTokenIds()
@@ -281,6 +292,9 @@ class SpeculativeWorker:
         token_ids: dict[str, list[int]] = {}
         for seq, tree in zip(drafted.seqs, drafted.host_trees(), strict=True):
             if seq.request_id in self.states:
+                forced = self.structured.forced_drafts(seq.request_id, self.num_steps)
+                if forced and not _holds_path(tree, forced):
+                    tree = chain_host_tree(tree.token_ids[0], forced)
                 self.trees[seq.request_id] = tree
                 token_ids[seq.request_id] = tree.token_ids[1:]
         return DraftTokenIds(token_ids=token_ids)
@@ -374,6 +388,26 @@ class SpeculativeWorker:
     def graph_memory_bytes(self) -> int:
         """The target's and the draft loop's captured graphs."""
         return self.runner.backend.memory_bytes + self.drafter.loop_runner.memory_bytes
+
+
+def chain_host_tree(root: int, drafts: list[int]) -> HostTree:
+    """The HostTree of a chain: `root`, then `drafts`, node i the parent of node i + 1."""
+    num_nodes = len(drafts) + 1
+    return HostTree(token_ids=[root, *drafts], parents=list(range(-1, num_nodes - 1)),
+                    depths=list(range(num_nodes)),
+                    masks=[(1 << (i + 1)) - 1 for i in range(num_nodes)])
+
+
+def _holds_path(tree: HostTree, tokens: list[int]) -> bool:
+    """Whether `tree` has a path from its root whose tokens start with `tokens`."""
+    node = 0
+    for token in tokens:
+        child = next((c for c in range(node + 1, len(tree.parents))
+                      if tree.parents[c] == node and tree.token_ids[c] == token), None)
+        if child is None:
+            return False
+        node = child
+    return True
 
 
 def verify_query_len(config: EngineConfig) -> int:
