@@ -18,7 +18,7 @@ compiling fails or the request's grammar fails while it runs.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
@@ -33,6 +33,9 @@ from specd.ipc.structured import (
     cache_key,
 )
 from specd.workers.structured.tool_grammar import lark_string, tool_call_grammar
+
+if TYPE_CHECKING:  # the type lives in llguidance's stub only
+    from llguidance._lib import JsonCompileOptions
 
 DEFAULT_MAX_CACHED = 256
 
@@ -80,7 +83,8 @@ def grammar_text(constraint: StructuredOutput, tokenizer: llguidance.LLTokenizer
     if isinstance(constraint, JsonSchema | JsonObject):
         schema: dict[str, Any] = (constraint.schema if isinstance(constraint, JsonSchema)
                                   else {"type": "object"})
-        overrides = None if constraint.any_whitespace else {"whitespace_flexible": False}
+        overrides: JsonCompileOptions | None = (
+            None if constraint.any_whitespace else {"whitespace_flexible": False})
         text: str = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
         return text
     if isinstance(constraint, Regex):

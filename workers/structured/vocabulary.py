@@ -71,7 +71,8 @@ def _tiktoken_vocabulary(model_dir: Path, vocab_size: int, eos: list[int] | None
     code = class_code(model_dir, config)
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
     block = special_tokens(len(ranks), config, code)
-    tokenizer: llguidance.LLTokenizer = llguidance.LLTokenizer.from_tiktoken(
+    # from_tiktoken is in llguidance's extension module but not in its type stub.
+    tokenizer: llguidance.LLTokenizer = llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]
         encoder=ranks, special_tokens=dict(block.ids), pattern=split_pattern(config, code),
         eos_token=eos, n_vocab=vocab_size)
     return tokenizer
