@@ -370,7 +370,8 @@ class Front:
         saved = Counter(self.counters)
         started = time.monotonic()
         all_cases = http_cases(model, bool(self.tokenizer.chat_templates.templates),
-                               int(ready.resolved["max_model_len"]))
+                               int(ready.resolved["max_model_len"]),
+                               self.config.max_pending_requests)
         try:
             await warm_up_http(local_host(host), port, keys[0] if keys else None,
                                self.warmup_token, all_cases, self.config.max_pending_requests)

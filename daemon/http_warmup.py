@@ -38,7 +38,8 @@ class HttpWarmUpFailed(Exception):
 @dataclass(frozen=True)
 class Case:
     """One request (`body`: JSON, None for a GET) and the answer it must get: `status`,
-    and a body `check` passes."""
+    and a body `check` passes. `opens`: the requests it opens in the request flow (its
+    choices; each counts against --max-pending-requests)."""
 
     name: str
     method: str
@@ -46,15 +47,18 @@ class Case:
     body: dict[str, Any] | None
     status: int
     check: Callable[[bytes], str | None]  # what is wrong with the body, or None
+    opens: int = 1
 
 
-def cases(model: str, has_chat_template: bool, too_long: int) -> list[Case]:
+def cases(model: str, has_chat_template: bool, too_long: int, max_open: int) -> list[Case]:
     """Every case: completions and chat, whole and streamed with usage on and off (in every
-    chunk too), several choices, log-probabilities and echo, the refusals (a body that
-    does not decode, an unknown model, a prompt the request flow refuses), and the other
-    endpoints. `too_long`: a prompt length (tokens) past the
-    model's maximum. A model without a chat template answers chat with its 400."""
+    chunk too), several choices (two, or `max_open` when the daemon holds fewer open
+    requests), log-probabilities and echo, the refusals (a body that does not decode, an
+    unknown model, a prompt the request flow refuses), and the other endpoints.
+    `too_long`: a prompt length (tokens) past the model's maximum. A model without a chat
+    template answers chat with its 400."""
     gen = {"model": model, "max_tokens": 2}
+    choices = min(2, max_open)
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     chat = {**gen, "messages": MESSAGES}
     chat_status, chat_whole, chat_stream = (200, _whole("message"), _streamed) \
@@ -66,9 +70,10 @@ def cases(model: str, has_chat_template: bool, too_long: int) -> list[Case]:
              {**gen, "prompt": PROMPT, "stream": True}, 200, _streamed(False)),
         Case("completions streamed with usage", "POST", "/v1/completions",
              {**gen, "prompt": PROMPT, **usage}, 200, _streamed(True)),
-        Case("completions, two choices with log-probabilities and echo", "POST",
-             "/v1/completions", {**gen, "prompt": PROMPT, "n": 2, "logprobs": 2,
-                                 "echo": True}, 200, _whole("text", num_choices=2)),
+        Case("completions, several choices with log-probabilities and echo", "POST",
+             "/v1/completions", {**gen, "prompt": PROMPT, "n": choices, "logprobs": 2,
+                                 "echo": True}, 200, _whole("text", num_choices=choices),
+             opens=choices),
         Case("chat", "POST", "/v1/chat/completions", chat, chat_status, chat_whole),
         Case("chat streamed", "POST", "/v1/chat/completions", {**chat, "stream": True},
              chat_status, chat_stream(False)),
@@ -99,18 +104,25 @@ def cases(model: str, has_chat_template: bool, too_long: int) -> list[Case]:
 
 async def warm_up_http(host: str, port: int, api_key: bytes | None, token: str,
                        all_cases: list[Case], max_open: int) -> None:
-    """Send every case to http://host:port, at most `max_open` at a time (the daemon's
-    --max-pending-requests); HttpWarmUpFailed for the first answered wrong, in order."""
+    """Send every case to http://host:port, never more open requests at a time than
+    `max_open` (the daemon's --max-pending-requests; a case opens `Case.opens`);
+    HttpWarmUpFailed for the first answered wrong, in order."""
     headers = {WARMUP_HEADER: token}
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key.decode()}"
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     async with aiohttp.ClientSession(headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as session:
-        # Together: the engine runs the generates as one batch.
+        # Together: the engine runs the generates as one batch; a case of several requests
+        # alone after them (a shared count could admit part of it and be refused the rest).
         slots = asyncio.Semaphore(max_open)
-        answers = await asyncio.gather(*(_send(session, base, case, slots)
-                                         for case in all_cases))
+        singles = [case for case in all_cases if case.opens == 1]
+        answered = dict(zip((id(case) for case in singles), await asyncio.gather(
+            *(_send(session, base, case, slots) for case in singles)), strict=True))
+        for case in all_cases:
+            if case.opens > 1:
+                answered[id(case)] = await _send(session, base, case, slots)
+        answers = [answered[id(case)] for case in all_cases]
     for case, (status, body) in zip(all_cases, answers, strict=True):
         problem = (f"status {status}, expected {case.status}" if status != case.status
                    else case.check(body))

@@ -89,10 +89,10 @@ def test_a_handler_that_raises_after_ready_answers_its_exception_and_is_a_fallba
 
         convert = params.completion_to_generate
 
-        def planted(req):
+        def planted(req, *args):
             if req.prompt == "boom":
                 raise KeyError("planted")
-            return convert(req)
+            return convert(req, *args)
 
         params.completion_to_generate = planted
     """)
