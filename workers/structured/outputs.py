@@ -21,6 +21,7 @@ output is off: `status` says why, and `add` refuses every constraint with that r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -38,6 +39,8 @@ from specd.workers.structured.grammar import GrammarCompiler
 from specd.workers.structured.masks import NO_MASKS, MaskFigures, StepMasks
 from specd.workers.structured.matcher import RequestGrammar
 from specd.workers.structured.vocabulary import load_vocabulary, tokenizer_file
+
+log = logging.getLogger("specd.structured")
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,21 @@ class StructuredOutput:
         self.num_words = -(-vocab_size // 32)  # int32 words per mask row
         self.device = device
         path = tokenizer_file(model_dir)
-        self.compiler = (None if path is None else GrammarCompiler(
-            load_vocabulary(model_dir, vocab_size, list(eos_token_ids))))
-        self.status = (f"llguidance {llguidance.__version__} ({path.name})" if path is not None
-                       else f"off: no tokenizer in {model_dir}")
+        self.compiler: GrammarCompiler | None = None
+        if path is None:
+            self.status = f"off: no tokenizer in {model_dir}"
+        else:
+            try:
+                self.compiler = GrammarCompiler(
+                    load_vocabulary(model_dir, vocab_size, list(eos_token_ids)))
+                self.status = f"llguidance {llguidance.__version__} ({path.name})"
+            except ValueError as exc:
+                # The model serves without constraints (a tokenizer llguidance cannot read,
+                # a test model's word-level one): a mode, logged and in status; constrained
+                # requests are refused naming it.
+                self.status = f"off: {exc}"
+                log.warning("structured output is off: %s", exc,
+                            extra={"event": "structured_output_off", "reason": str(exc)})
         self.grammars: dict[str, RequestGrammar] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-masks")
         self._last: Future[None] | None = None  # the last fill started
