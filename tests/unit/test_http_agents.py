@@ -33,6 +33,7 @@ from specd.daemon.http.listener import open_http_listener
 from specd.daemon.http.metrics import Metrics
 from specd.daemon.http.peer import HttpPeer
 from specd.daemon.http.server import HttpServer
+from specd.daemon.incidents import Incidents
 from specd.daemon.lifecycle import State
 from specd.daemon.prompts import PromptEncoder
 from specd.daemon.request_flow import RequestFlow
@@ -86,7 +87,7 @@ class ScriptedFlow:
         self.prompts = PromptEncoder(tokenizer, DaemonConfig())
         self.admitted: list[m.Generate] = []
 
-    def admit(self, peer: HttpPeer, generate: m.Generate) -> None:
+    def admit(self, peer: HttpPeer, generate: m.Generate, warmup: bool = False) -> None:
         self.admitted.append(generate)
         prompt = self.prompts.render(generate).text
         ids = self.tokenizer.encode(script(generate, prompt), add_special_tokens=False)
@@ -133,9 +134,11 @@ def served(model_dir: Path) -> Iterator[tuple[openai.OpenAI, ScriptedFlow]]:
     loop = asyncio.new_event_loop()
     # The scripted flow stands in for RequestFlow; control and health are not reached by
     # the generate routes this test uses.
-    server = HttpServer(config, listener, status, Counter(), Metrics(),
+    counters: Counter[str] = Counter()
+    server = HttpServer(config, listener, status, counters, Metrics(),
                         cast(RequestFlow, flow), cast(Control, None), cast(HealthWatch, None),
-                        new_connection_id=iter(range(10**6)).__next__)
+                        Incidents(counters), new_connection_id=iter(range(10**6)).__next__,
+                        warmup_token="test")
     started = threading.Event()
 
     def serve() -> None:
