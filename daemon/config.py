@@ -106,6 +106,11 @@ class DaemonConfig:
         check_parser_name("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.api_key_file is not None and self.http is None:
             raise ValueError("api_key_file needs http (the keys guard the HTTP API)")
+        if self.engine.node_rank != 0:
+            raise ValueError(f"node_rank {self.engine.node_rank}: specd is node 0; node "
+                             f"{self.engine.node_rank} runs `specd-worker --nnodes "
+                             f"{self.engine.nnodes} --node-rank {self.engine.node_rank} "
+                             "--dist-init-addr HOST:PORT`")
 
     @property
     def http_address(self) -> tuple[str, int] | None:

@@ -89,6 +89,14 @@ ENGINE_HELP = {
                             "(gloo on cpu, NCCL on cuda; 1: in-process).",
     "expert_parallel": "with --tensor-parallel-size > 1, place whole routed experts on "
                        "ranks instead of splitting each expert.",
+    "nnodes": "hosts the --tensor-parallel-size ranks are spread over, evenly (tensor "
+              "parallel across them); every other node runs specd-worker.",
+    "node_rank": "this host's node index: 0 for specd (the others run "
+                 "`specd-worker --node-rank N`).",
+    "dist_init_addr": "with --nnodes > 1: HOST:PORT where node 0 hosts the group's TCP "
+                      "store, which every node reaches (specd-worker takes the same).",
+    "dist_init_timeout_s": "with --nnodes > 1: how long start-up waits for every node to "
+                           "join; then it fails naming the missing one.",
 }
 DAEMON_HELP = {
     "socket_path": "Unix socket to listen on (ignored under socket activation); default "

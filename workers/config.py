@@ -78,11 +78,21 @@ class EngineConfig:
     # Compile decode and verify steps on the CPU (torch.compile, inductor): cpu_decode.py.
     cpu_compile: bool = False
     # Ranks the model is split over (workers/parallel/): 1 runs it in this process; N > 1
-    # starts N - 1 worker processes, one per device (gloo on the CPU, NCCL on CUDA).
+    # starts N - 1 worker processes, one per device (gloo on the CPU, NCCL on CUDA); with
+    # nnodes > 1, N / nnodes of them on each node.
     tensor_parallel_size: int = 1
     # With tensor_parallel_size > 1: whole routed experts per rank instead of each expert's
     # width split (workers/parallel/expert_parallel.py).
     expert_parallel: bool = False
+    # Several nodes (workers/parallel/nodes.py): the tensor_parallel_size ranks are spread
+    # evenly over nnodes hosts. Node 0 runs specd (the front, the scheduler = rank 0);
+    # node r > 0 runs `specd-worker --node-rank r`. dist_init_addr: HOST:PORT of node 0's
+    # TCP store, which every node can reach (its HOST is where node 0's links listen).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    # How long node 0's start-up waits for every other node to join (then names the missing).
+    dist_init_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         # An empty value is what a unit passes for an unset variable (`--model ${SPECD_MODEL}`
@@ -135,14 +145,38 @@ class EngineConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError("tensor_parallel_size must be in [1, 64], "
                              f"got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.cuda_graphs or self.cpu_compile):
-            raise ValueError("tensor_parallel_size > 1 runs eagerly: cuda_graphs and "
-                             "cpu_compile are not supported with it yet")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1")
+        self._check_nodes()
         if self.spec_disable_batch_threshold < 1:
             raise ValueError("spec_disable_batch_threshold must be >= 1, "
                              f"got {self.spec_disable_batch_threshold}")
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes = {self.nnodes}), "
+                             f"got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a "
+                             f"multiple of nnodes {self.nnodes} (the same ranks on each node)")
+        if self.dist_init_timeout_s <= 0:
+            raise ValueError(f"dist_init_timeout_s must be > 0, got {self.dist_init_timeout_s}")
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr)
+        elif self.nnodes > 1:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0, "
+                             "reachable from every node)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def dist_init_host_port(self) -> tuple[str, int] | None:
+        """(host, port) of `dist_init_addr`, or None."""
+        return None if self.dist_init_addr is None else parse_host_port(self.dist_init_addr)
 
     @property
     def model_path(self) -> Path:
@@ -166,7 +200,16 @@ class EngineConfig:
     def graphs_enabled(self) -> bool:
         if self.cuda_graphs is not None:
             return self.cuda_graphs
-        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
+        return self.device.startswith("cuda")
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" (an IPv6 host in brackets, which are removed);
+    ValueError naming the address otherwise."""
+    host, _, port = address.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -196,9 +239,12 @@ class EngineResolved:
     kv_budget_source: str = ""
     kv_cache_tokens: int = 0
     # Tensor parallelism: one entry per rank, "rank R pid P on DEVICE" (rank 0 is the
-    # scheduler process); empty in one process. Shown by `specctl status`.
+    # scheduler process; a rank of another node: "... of node N (HOST)"); empty in one
+    # process. Shown by `specctl status` and `specctl doctor`.
     ranks: tuple[str, ...] = ()
     # Structured output (workers/structured/): the grammar library and the tokenizer file
     # its vocabulary was read from, or "off: " and why.
     structured_output: str = "off"
     expert_parallel: bool = False
+    # Several nodes: one entry per node, "node N (HOST): ranks A-B" (node 0 first).
+    nodes: tuple[str, ...] = ()

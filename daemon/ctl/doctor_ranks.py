@@ -3,8 +3,9 @@ failure the last run left in its log.
 
 The ranks come from the status (`resolved.ranks`, "rank R pid P on DEVICE", what the
 scheduler reported with Ready); each one's process state is read from /proc where doctor
-runs. A stopped rank stalls the next step until the hang timeout, a gone (or zombie) one
-fails it: either is a problem named here before any request meets it.
+runs, except for a rank of another node ("... of node N (HOST)"), which node 0 watches
+through that node's beats. A stopped rank stalls the next step until the hang timeout, a
+gone (or zombie) one fails it: either is a problem named here before any request meets it.
 
 A daemon that exits on a failure answers no status; what the run left is its log. With
 `--log PATH` (`-`: stdin, as in `journalctl -u specd -o cat | specctl doctor --log -`)
@@ -31,20 +32,27 @@ RANK_ENTRY = re.compile(r"rank (\d+) pid (\d+) on (\S+)")
 FAILED_RANK = re.compile(r"rank (\d+) \(pid (\d+) on ([^)]+)\)")
 # States in which a rank cannot take part in the next step.
 DOWN_STATES = ("stopped", "a zombie", "dead", "gone")
+REMOTE_RANK = " of node "
+REMOTE_STATE = "on another node (node 0 watches it; silent for 5 s fails the daemon)"
 
 
 def check_ranks(status: StatusReply) -> CheckResult | None:
     """Each rank's device and process state (None in one process: no ranks); fails naming
     every rank that is stopped or has exited."""
-    entries: list[str] = list(status.resolved.get("ranks") or [])
-    if not entries:
+    every: list[str] = list(status.resolved.get("ranks") or [])
+    if not every:
         return None
+    # A rank of another node ("... of node N (HOST)") has its process there: node 0 watches
+    # that node's beats (a silent node fails the daemon), this /proc cannot see it.
+    entries = [entry for entry in every if REMOTE_RANK not in entry]
+    remote = [f"{entry}: {REMOTE_STATE}" for entry in every if REMOTE_RANK in entry]
     pids = [_rank_pid(entry) for entry in entries]
     states = [process_state(pid) for pid in pids]
     if states[0] == "gone":  # rank 0 answered the status: this /proc does not show it
-        return CheckResult("ranks", True, "; ".join(entries) + " (their process states are "
+        return CheckResult("ranks", True, "; ".join(every) + " (their process states are "
                            "not visible from here: another PID namespace)")
-    detail = "; ".join(f"{entry}: {state}" for entry, state in zip(entries, states, strict=True))
+    detail = "; ".join([f"{entry}: {state}" for entry, state in
+                        zip(entries, states, strict=True)] + remote)
     down = [(entry, pid, state) for entry, pid, state in zip(entries, pids, states, strict=True)
             if state.startswith(DOWN_STATES)]
     if not down:

@@ -116,3 +116,53 @@ def test_exec_start_flags_are_the_daemons_own(tmp_path: Path) -> None:
     assert "--draft-model" in argv and "--device" in argv
     run = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "systemd"
+
+
+def _exec_argv(unit: str, env_file: str) -> list[str]:
+    """ExecStart with the env file expanded as systemd does (${X}: one word, $X: split)."""
+    env = dict(re.findall(r"^(\w+)=(.*)$", env_file, re.MULTILINE))
+    argv: list[str] = []
+    for word in re.findall(r"^ExecStart=(.+)$", unit, re.MULTILINE)[0].split():
+        if word.startswith("${"):
+            argv.append(env[word[2:-1]])
+        elif word.startswith("$"):
+            argv.extend(env[word[1:]].split())
+        else:
+            argv.append(word)
+    return argv
+
+
+def test_the_worker_unit_verifies_and_its_command_line_parses(tmp_path: Path) -> None:
+    """specd-worker.service with its ExecStart at an existing executable passes verify, and
+    its command line, the shipped env file expanded, is the agent's own (--help)."""
+    worker_bin = tmp_path / "bin" / "specd-worker"
+    worker_bin.parent.mkdir()
+    worker_bin.write_text("#!/bin/sh\nexit 0\n")
+    worker_bin.chmod(worker_bin.stat().st_mode | stat.S_IXUSR)
+    unit = (SHIPPED / "specd-worker.service").read_text()
+    (tmp_path / "specd-worker.service").write_text(
+        unit.replace("/opt/specd/venv/bin/specd-worker", str(worker_bin)))
+    result = analyze("verify", "--man=no", tmp_path / "specd-worker.service")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    argv = _exec_argv(unit, (SHIPPED / "specd-worker.env").read_text())
+    assert argv[1:] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+                        "10.0.0.1:29500", "--log-format", "json"]
+    from specd.workers.parallel.node_agent import main
+
+    with pytest.raises(SystemExit) as done:
+        main([*argv[1:], "--help"])
+    assert done.value.code == 0
+
+
+def test_the_nodes_drop_in_verifies_with_the_service(unit_dir: Path, tmp_path: Path) -> None:
+    for name in ("specd.service", "specd.socket"):
+        shutil.copy(unit_dir / name, tmp_path / name)
+    (tmp_path / "specd.service.d").mkdir()
+    shutil.copy(SHIPPED / "specd-nodes.conf", tmp_path / "specd.service.d" / "nodes.conf")
+    result = analyze("verify", "--man=no", tmp_path / "specd.service", tmp_path / "specd.socket")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # a bad value in the drop-in is reported here, not failed

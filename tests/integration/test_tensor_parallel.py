@@ -1,11 +1,14 @@
 """Tensor and expert parallelism on the CPU over gloo (workers/parallel/).
 
-Size 2 (rank 0 in this process, rank 1 a spawned worker) generates, greedy in float32, the
+Size 2 (rank 0 in this process, rank 1 a worker process) generates, greedy in float32, the
 same tokens as size 1 on held-out prompts: for the dense fixture and the MoE fixture (MLA
 query heads split, the latent cache whole on each rank, each expert's width split), with
-speculation off and on (the EAGLE-3 head runs on rank 0 only), and with whole experts per
-rank (`expert_parallel`; INT4 experts too). Speculation on must also have accepted drafts,
-so the verify path really ran sharded. A rank that dies fails the engine, not a request.
+speculation off, chains and trees (the EAGLE-3 head runs on rank 0 only), with whole
+experts per rank (`expert_parallel`; INT4 experts too), with captured forwards (the CPU
+stand-in of CUDA graphs) and with `--cpu-compile` (the all-reduces inside the compiled
+steps). Speculation on must also have accepted drafts, so the verify path really ran
+sharded. Every call reaches the worker through the step ring (workers/parallel/ring.py).
+A rank that dies fails the engine, not a request.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,8 @@ from specd.workers.engine.core import EngineCore
 from specd.workers.models.config import ModelConfig
 from specd.workers.parallel.context import rank_device
 from specd.workers.parallel.driver import RankFailed
+from specd.workers.runner.cpu_backend import CpuBackend
+from specd.workers.runner.graph_backend import GraphBackend
 from specd.workers.runner.kv_cache import kv_bytes_per_token
 from tests.integration.heldout import heldout_prompt_ids
 
@@ -36,17 +42,19 @@ PROMPTS = heldout_prompt_ids(3, 7, 11)
 NEW_TOKENS = 12
 
 
-def generate(model: str, device: str = "cpu", **options: Any) -> tuple[list[list[int]], int]:
+def generate(model: str, device: str = "cpu", inspect: Callable[[EngineCore], None] | None = None,
+             **options: Any) -> tuple[list[list[int]], int]:
     """Greedy continuations of PROMPTS (batched) and the number of accepted drafts. The
-    engine is closed after, and its worker ranks must have exited cleanly."""
+    engine is closed after (`inspect` sees it before), and its worker ranks must have
+    exited cleanly."""
     torch.set_num_threads(1)
     core = EngineCore(EngineConfig(model=model, device=device, dtype="float32",
                                    max_num_batched_tokens=32, **options))
     driver = core.runner.driver
     processes = [] if driver is None else driver.workers.processes
-    assert len(processes) == core.config.tensor_parallel_size - 1
+    assert len(processes) == core.config.ranks_per_node - 1  # this node's
     pids = [os.getpid()] + [p.pid for p in processes]
-    assert core.resolved.ranks == (() if driver is None else tuple(
+    assert core.resolved.ranks[:len(pids)] == (() if driver is None else tuple(
         f"rank {r} pid {pid} on {rank_device(device, r)}" for r, pid in enumerate(pids)))
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -59,6 +67,8 @@ def generate(model: str, device: str = "cpu", **options: Any) -> tuple[list[list
                 outs[delta.request_id] += delta.new_token_ids
                 if delta.finish_reason is not None:
                     accepted += delta.num_accepted
+        if inspect is not None:
+            inspect(core)
     finally:
         core.close()
     assert all(p.exitcode == 0 for p in processes)
@@ -96,12 +106,56 @@ def test_size_four_replicates_kv_heads_and_keeps_the_tokens(
     assert accepted > 0
 
 
-def test_size_two_with_tree_speculation_keeps_the_tokens(single_rank: dict[str, Any]) -> None:
-    """Draft trees (top-k 2): verification with a tree mask over MLA's latent cache."""
-    tokens, accepted = generate("fixture-moe", spec_mode="on", spec_topk=2, spec_num_steps=3,
+@pytest.mark.parametrize("model", ["fixture", "fixture-moe"])
+def test_size_two_with_tree_speculation_keeps_the_tokens(model: str,
+                                                         single_rank: dict[str, Any]) -> None:
+    """Draft trees (top-k 2): verification with a tree mask over split K/V heads, and over
+    MLA's latent cache; the tree's KV compaction runs on every rank."""
+    tokens, accepted = generate(model, spec_mode="on", spec_topk=2, spec_num_steps=3,
                                 spec_num_draft_tokens=6, tensor_parallel_size=2)
-    assert tokens == single_rank["fixture-moe"]
+    assert tokens == single_rank[model]
     assert accepted > 0
+
+
+def _replayed(core: EngineCore) -> None:
+    backend = core.runner.backend
+    assert isinstance(backend, GraphBackend) and backend.graphs.error is None
+    assert backend.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("options", [{"speculative_algorithm": None}, {"spec_mode": "on"}],
+                         ids=["plain", "chain"])
+def test_size_two_with_captured_forwards_keeps_the_tokens(
+        options: dict[str, Any], single_rank: dict[str, Any]) -> None:
+    """Graphs with parallelism, through the CPU stand-in of CUDA graphs: every rank
+    captures the same shapes (decode, and verify with a head) and replays them."""
+    tokens, _ = generate("fixture", tensor_parallel_size=2, cuda_graphs=True,
+                         inspect=_replayed, **options)
+    assert tokens == single_rank["fixture"]
+
+
+def _compiled(core: EngineCore) -> None:
+    backend = core.runner.backend
+    assert isinstance(backend, CpuBackend) and backend.compiled_decode is not None
+    assert backend.compiled_decode.error is None
+    # Decode steps compiled (speculation off) or verify steps (on), all-reduces inside.
+    if core.spec is None:
+        assert backend.compiled_decode.num_steps > 0
+    else:
+        assert backend.compiled_decode.num_verify_steps > 0
+
+
+@pytest.mark.compile  # each rank compiles decode and verify at batch 1 and above
+@pytest.mark.parametrize("options", [{"speculative_algorithm": None},
+                                     {"spec_mode": "on"},
+                                     {"spec_mode": "on", "spec_topk": 2, "spec_num_steps": 3,
+                                      "spec_num_draft_tokens": 6}],
+                         ids=["plain", "chain", "tree"])
+def test_size_two_with_cpu_compile_keeps_the_tokens(options: dict[str, Any],
+                                                    single_rank: dict[str, Any]) -> None:
+    tokens, _ = generate("fixture", tensor_parallel_size=2, cpu_compile=True,
+                         inspect=_compiled, **options)
+    assert tokens == single_rank["fixture"]
 
 
 @pytest.mark.parametrize("spec_mode", ["off", "on"])

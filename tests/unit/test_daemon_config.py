@@ -31,6 +31,12 @@ def run_specd(*args: str) -> subprocess.CompletedProcess[str]:
     (["--extra", "key=value"], "No such option '--extra'"),
     (["--max-connections", "0"], "max_connections must be >= 1"),
     (["stray"], "unexpected extra argument (stray)"),
+    (["--nnodes", "2", "--tensor-parallel-size", "2"], "nnodes > 1 needs dist_init_addr"),
+    (["--nnodes", "2", "--tensor-parallel-size", "3", "--dist-init-addr", "10.0.0.1:29500"],
+     "tensor_parallel_size 3 must be a multiple of nnodes 2"),
+    (["--dist-init-addr", "10.0.0.1"], "dist_init_addr must be HOST:PORT, got '10.0.0.1'"),
+    (["--nnodes", "2", "--node-rank", "1", "--tensor-parallel-size", "2", "--dist-init-addr",
+      "10.0.0.1:29500"], "specd is node 0; node 1 runs `specd-worker --nnodes 2 --node-rank 1"),
 ])
 def test_an_unusable_command_line_exits_78_with_one_line(args: list[str], named: str) -> None:
     result = run_specd(*args)

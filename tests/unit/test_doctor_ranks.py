@@ -91,6 +91,20 @@ def test_an_exited_rank_fails_naming_it_before_and_after_it_is_reaped(
         assert "rank 1 has exited: the next step fails the daemon (exit 75)" in result.advice
 
 
+def test_ranks_of_other_nodes_are_listed_as_watched_by_node_zero(
+        rank1: subprocess.Popen[bytes]) -> None:
+    """Their pids are another host's: no /proc state is read for them (here pid 1 would be
+    this machine's init), nothing fails because of them."""
+    _wait_state(rank1.pid, "S")
+    entries = [f"rank 0 pid {os.getpid()} on cuda:0", f"rank 1 pid {rank1.pid} on cuda:1",
+               "rank 2 pid 1 on cuda:0 of node 1 (gpu-b)"]
+    result = check_ranks(_status(entries))
+    assert result is not None and result.ok
+    assert result.detail.endswith(
+        f"rank 1 pid {rank1.pid} on cuda:1: sleeping; rank 2 pid 1 on cuda:0 of node 1 "
+        "(gpu-b): on another node (node 0 watches it; silent for 5 s fails the daemon)")
+
+
 def test_ranks_invisible_from_here_are_listed_without_states() -> None:
     # pid_max caps real pids far below this one: rank 0 cannot be seen, so neither can rank 1
     entries = ["rank 0 pid 2000000000 on cuda:0", "rank 1 pid 2000000001 on cuda:1"]

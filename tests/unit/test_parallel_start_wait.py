@@ -1,7 +1,7 @@
 """Rank 0's wait for its workers to start (WorkerGroup.wait_for): each way a worker can fail
 to get there is an error naming the rank, its pid and device. The workers here are stand-ins
 started as the real ranks are (launch.RankProcess: a fresh interpreter with an inherited
-control pipe) that speak the start-up protocol of parallel/rank_main.py."""
+control pipe) that speak the start-up protocol of parallel/rank_spec.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PIPE = ("import sys, time\n"
 FAILS = PIPE + "conn.send(('failed', 'Traceback ...\\nValueError: no such tensor'))\n"
 EXITS_SILENTLY = PIPE + "import os\nos._exit(3)\n"
 RAISES_BEFORE_A_WORD = "import json\njson.loads('{')\n"
-LOADS_SLOWLY = (PIPE + "from specd.workers.parallel.rank_main import StatusPipe\n"
+LOADS_SLOWLY = (PIPE + "from specd.workers.parallel.rank_spec import StatusPipe\n"
                 "with StatusPipe(conn).beating():\n    time.sleep(2.5)\nconn.send(('ready', ''))\n")
 NEVER_ANSWERS = PIPE + "time.sleep(60)\n"
 

@@ -63,10 +63,10 @@ def test_heartbeats_follow_what_the_load_reads_and_fills_never_cpu_time_alone(
                for msg in outbox.messages)
 
 
-# A worker rank that joined and loads for ever, beating as parallel/rank_main.py does.
+# A worker rank that joined and loads for ever, beating as parallel/rank_spec.py does.
 LOADING_RANK = ("import sys, time\n"
                 "from multiprocessing.connection import Connection\n"
-                "from specd.workers.parallel.rank_main import StatusPipe\n"
+                "from specd.workers.parallel.rank_spec import StatusPipe\n"
                 "conn = Connection(int(sys.argv[sys.argv.index('--control-fd') + 1]))\n"
                 "conn.send(('joining', ''))\n"
                 "with StatusPipe(conn).beating():\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,13 @@ class EngineCore:
         (nothing in one process) and the mask thread. The engine is unusable after."""
         self.runner.close()
         self.structured.close()
+
+    def on_rank_failure(self, callback: Callable[[Exception], None]) -> None:
+        """`callback(error)` from a watch thread when a tensor-parallel rank or node is
+        found failed while this process may be waiting for it (a node gone silent): the
+        scheduler process ends itself there (a step would otherwise wait in a collective).
+        Without it the next step raises the error."""
+        self.runner.on_rank_failure(callback)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None

@@ -99,6 +99,7 @@ def engine_resolved(config: EngineConfig, worker: StepWorker[Any], model_config:
     runner, graphs and KV budget, the model's EOS ids, the longest sequence served, and
     whether it serves structured output."""
     runner = worker.runner
+    ranks, nodes = runner.ranks()
     budget = runner.kv_budget
     if config.num_kv_blocks is not None:  # the budget did not decide: report the blocks'
         budget = KvBudget(runner.num_kv_blocks * kv_block_bytes(
@@ -121,9 +122,10 @@ def engine_resolved(config: EngineConfig, worker: StepWorker[Any], model_config:
         kv_budget_bytes=budget.num_bytes,
         kv_budget_source=budget.source,
         kv_cache_tokens=runner.num_kv_blocks * config.block_size,
-        ranks=() if runner.driver is None else runner.driver.ranks(),
+        ranks=ranks,
         expert_parallel=config.expert_parallel,
         structured_output=structured.status,
+        nodes=nodes,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,10 +47,24 @@ class ParallelContext:
         return self.rank * length, length
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x` (in place); `x` itself at size 1."""
-        if self.is_parallel:
-            dist.all_reduce(x)
+        """The sum of every rank's `x`: in place, or, in a compiled region (--cpu-compile),
+        as a new tensor from an op the compiler calls as it is (`specd::all_reduce`); `x`
+        itself at size 1."""
+        if not self.is_parallel:
+            return x
+        if torch.compiler.is_compiling():
+            return cast(torch.Tensor, torch.ops.specd.all_reduce(x))
+        dist.all_reduce(x)
         return x
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The least of every rank's `value` (each rank's own at size 1): what ranks that
+        measured alone (memory left on their device) use alike."""
+        if not self.is_parallel:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [..., n] side by side in rank order -> [..., world_size * n]."""
@@ -61,6 +76,26 @@ class ParallelContext:
 
 
 SINGLE_RANK = ParallelContext()
+
+
+@torch.library.custom_op("specd::all_reduce", mutates_args=())
+def all_reduce_op(x: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's `x`, a new tensor, complete when the op returns.
+
+    What a compiled step calls (inductor keeps it one opaque call in the graph, as vLLM
+    registers its own all-reduce). Inductor's lowering of torch's functional collectives
+    over gloo (and of the in-place all_reduce dynamo rewrites into them) gave wrong sums
+    in the compiled verify step with captured hidden states: the fixture's hidden states
+    off by up to 0.56 at 2 ranks, 7 rows, on both ranks, where this op gives the eager
+    step's to 2e-6 (decode, and verify without captures, were right either way)."""
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+@all_reduce_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def backend_for(device: torch.device) -> str:
@@ -78,10 +113,10 @@ def init_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
                             timeout=COLLECTIVE_TIMEOUT)
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """The device of `rank`: the CPU for every rank, or CUDA device (base + rank) where
-    `device` names the base (cuda = cuda:0)."""
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """The device of the rank with index `local_rank` on its node: the CPU for every rank,
+    or CUDA device (base + local_rank) where `device` names the base (cuda = cuda:0)."""
     base = torch.device(device)
     if base.type != "cuda":
         return base
-    return torch.device("cuda", (base.index or 0) + rank)
+    return torch.device("cuda", (base.index or 0) + local_rank)

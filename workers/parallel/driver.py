@@ -1,33 +1,36 @@
 """Rank 0 of tensor parallelism: the scheduler process's side.
 
-`start_parallel_model` starts ranks 1..N-1 (worker.py, one fresh interpreter each:
-launch.py), loads rank
-0's own shard while they start and load theirs, joins the process group with them, and
-waits until every rank reports ready (a rank that fails raises here with its traceback;
-the others are stopped). It returns a `DriverModel`: the model interface the runner, its
-backends and the speculative worker call (`forward`, `compute_logits`, `embed_tokens`,
-`copy_kv_slots`), each call sent to every worker first and then run on rank 0's shard, so
-all ranks reach the same collectives in the same order. Outputs are rank 0's.
+`start_parallel_model` hosts the group's TCP store (on loopback, or at `--dist-init-addr`
+with several nodes), starts ranks 1..L-1 of this node (local_ranks.py: fresh interpreters
+reading the step ring) and links the other nodes (nodes.py: their agents start theirs),
+loads rank 0's own shard while they start and load theirs, joins the process group with
+them and waits until every rank reports ready (a rank that fails raises here with its
+traceback; the others are stopped). It returns a `DriverModel`: rank 0's shard (`local`)
+and the group (`workers`).
 
-The calls travel over one pipe per worker, serialized once (a broadcast without a
-collective: a worker waiting for the next step has no timeout to run out while the engine
-is idle, and sees EOF when rank 0 is gone). The collectives inside a forward carry
-`COLLECTIVE_TIMEOUT`.
+From then on rank 0 announces every model execution (`RankGroup.call`, the `Peers` of
+peers.py): the call is encoded once (codec.py: no pickling, a tensor is its bytes; on a
+GPU its tensors follow as one broadcast), written once into the step ring for the local
+ranks (ring.py) and sent once to each other node, then run on rank 0's shard. Every rank
+runs it on its own backend in the same order, so all reach the same collectives. Outputs
+are rank 0's; nothing comes back. The collectives inside carry COLLECTIVE_TIMEOUT; a rank
+waiting for the next call has none (an idle engine is not a failure).
 
-A rank that dies is a failure of the whole engine, never of a request: a call that finds
-a worker gone, or that raises while one is gone (the collective it was in broke) or from
-torch.distributed itself, raises `RankFailed`, which `EngineCore.step` does not isolate, so
-the scheduler process exits 75 and the front fails every open request. Workers die with
-rank 0 (PR_SET_PDEATHSIG) and exit on EOF of their pipe.
+A rank or node that dies is a failure of the whole engine, never of a request: a call
+that finds one gone, or that raises while one is gone (the collective it was in broke)
+or from torch.distributed itself, raises `RankFailed`, which `EngineCore.step` does not
+isolate, so the scheduler process exits 75 and the front fails every open request. A node
+that goes silent is noticed by a thread (nodes.py), which calls back (`watch`). Local ranks
+die with rank 0 (PR_SET_PDEATHSIG); other nodes' agents stop theirs when rank 0 is silent.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Sequence
-from multiprocessing.connection import wait
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,113 +41,91 @@ from specd.workers.models.config import ModelConfig
 from specd.workers.models.layers import LinearFactory
 from specd.workers.models.loader import load_model
 from specd.workers.models.registry import CausalLM
+from specd.workers.parallel.codec import encode
 from specd.workers.parallel.context import (
     COLLECTIVE_TIMEOUT,
     ParallelContext,
     init_group,
     rank_device,
 )
-from specd.workers.parallel.launch import RANK_MODULE, RankProcess, module_command
-from specd.workers.parallel.rank_main import RankSpec
+from specd.workers.parallel.launch import EXIT_GRACE_S, RankProcess
+from specd.workers.parallel.local_ranks import STOP_TIMEOUT_S, WorkerGroup, wait_for
+from specd.workers.parallel.nodes import NodeLinks
+from specd.workers.parallel.peers import Peers, RankFailed
 from specd.workers.parallel.sharding import shard_model_config
-from specd.workers.parallel.worker import STORE_HOST, encode
 from specd.workers.runner.attention import AttentionMetadata
-from specd.workers.runner.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("specd.parallel")
 
-STOP_TIMEOUT_S = 10.0
-# After a call raised: how long a worker may take to be seen exited (the broken collective
-# is often noticed before the dead process is reaped).
-EXIT_GRACE_S = 0.5
+STORE_HOST = "127.0.0.1"
+
+__all__ = ["DriverModel", "RankFailed", "RankGroup", "start_parallel_model"]
 
 
-class RankFailed(RuntimeError):
-    """A worker rank died or the process group broke: the engine cannot go on."""
-
-
-class WorkerGroup:
-    """Ranks 1..N-1 as rank 0 sees them: their processes (launch.py), each with its pipe."""
+class RankGroup(Peers):
+    """Ranks 1..N-1 as rank 0 sees them (module docstring): `local` (this node's, their
+    processes and step ring) and `nodes` (the others)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        world = config.tensor_parallel_size
-        # Port 0: the store listens on a free port, which the workers are told.
-        self.store = dist.TCPStore(STORE_HOST, 0, world, is_master=True,
+        self.config = config
+        host, port = config.dist_init_host_port or (STORE_HOST, 0)
+        # Port 0: the store listens on a free port, which the ranks are told.
+        self.store = dist.TCPStore(host, port, config.tensor_parallel_size, is_master=True,
                                    wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self.processes: list[RankProcess] = []
+        self.store_addr = f"{host}:{self.store.port}"
+        self.device = rank_device(config.device, 0)
+        # The links first: the other nodes' agents read the config they publish.
+        self.nodes = NodeLinks(config, self.store, host)
         try:
-            for rank in range(1, world):
-                spec = RankSpec(rank, self.store.port, config, torch.get_num_threads(), level,
-                                os.getpid())
-                self.processes.append(RankProcess(
-                    rank, str(rank_device(config.device, rank)),
-                    module_command(RANK_MODULE, spec.arguments())))
+            self.local = WorkerGroup(config, range(1, config.ranks_per_node), self.store_addr)
         except BaseException:
-            self.abort()
+            self.nodes.close()
             raise
 
-    def wait_for(self, expected: str, timeout_s: float) -> None:
-        """Until every worker reports `expected` ("joining": about to join the group,
-        "ready": loaded), reading their `loading` beats meanwhile; RuntimeError with the
-        traceback of one that failed, or naming one that exited (with the first error
-        line of its stderr) or did not get there in `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            status = "loading"
-            while status == "loading":
-                # One blocking wait for a message, the exit or the deadline: between beats
-                # this thread does not move, so the stage watch sees the beats and only them
-                # (a stopped worker is silence).
-                ready = wait([process.pipe, process.sentinel],
-                             max(0.0, deadline - time.monotonic()))
-                if not process.pipe.poll():  # what it sent before it exited is read first
-                    if process.sentinel in ready:
-                        raise self._exited(process, expected)
-                    raise RuntimeError(f"{process.describe()} not {expected} after "
-                                       f"{timeout_s:.0f} s")
-                try:
-                    status, detail = process.pipe.recv()
-                except EOFError as e:  # it exited without a word (a signal, os._exit)
-                    raise self._exited(process, expected) from e
-            if status != expected:
-                raise RuntimeError(f"{process.describe()} failed while starting:\n{detail}")
+    @property
+    def is_leader(self) -> bool:
+        return True
 
-    @staticmethod
-    def _exited(process: RankProcess, expected: str) -> RuntimeError:
-        process.join(EXIT_GRACE_S)  # its exit code, once reaped
-        error = process.error_line()
-        return RuntimeError(f"{process.describe()} exited with code {process.exitcode} "
-                            f"before it was {expected}" + (f": {error}" if error else ""))
+    @property
+    def processes(self) -> list[RankProcess]:
+        """This node's rank processes, rank 1 first."""
+        return self.local.processes
 
-    def describe(self, rank: int) -> str:
-        """"rank R (pid P on DEVICE)" of worker `rank` (1..N-1): how failures name a rank,
-        so that the failure's log record alone says which process and device it was."""
-        return self.processes[rank - 1].describe()
+    def wait_for(self, expected: str, nodes_timeout_s: float) -> None:
+        """local_ranks.wait_for over this node's ranks (COLLECTIVE_TIMEOUT), then over each
+        other node (`nodes_timeout_s`: they may start later than this one)."""
+        with self.nodes.waiting():
+            wait_for(self.local.processes, expected, COLLECTIVE_TIMEOUT.total_seconds())
+            wait_for(self.nodes.members, expected, nodes_timeout_s)
 
-    def send(self, op: str, *args: object) -> None:
-        """Send one call to every worker (serialized once); RankFailed if one is gone."""
-        self.check_alive(0.0)
-        data = encode(op, *args)
-        for process in self.processes:
-            try:
-                process.pipe.send_bytes(data)
-            except OSError as e:
-                raise RankFailed(f"{process.describe()} no longer reads its calls ({e})") from e
+    @contextmanager
+    def call(self, op: str, *args: Any) -> Iterator[None]:
+        self.send(op, *args)
+        try:
+            yield
+        except Exception as e:
+            self.call_failed(e)
+            raise
 
-    def check_alive(self, grace_s: float) -> None:
-        """RankFailed naming the first worker that has exited (waiting up to `grace_s` for
-        each to be seen exited)."""
-        for process in self.processes:
-            if grace_s:
-                process.join(grace_s)
-            if not process.is_alive():
-                raise RankFailed(f"{process.describe()} exited with code {process.exitcode}")
+    def send(self, op: str, *args: Any) -> None:
+        """One call to every other rank (module docstring); RankFailed if one is gone."""
+        self.check_alive()
+        encoded = encode(op, *args)
+        self.local.write(encoded.frame)
+        self.nodes.send(encoded.frame)
+        if encoded.device_buffer is not None:
+            dist.broadcast(encoded.device_buffer, src=0)
+
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """RankFailed naming the first rank of this node that has exited (waiting up to
+        `grace_s` for each to be seen exited), or the node that failed."""
+        self.local.check_alive(grace_s)
+        self.nodes.check()
 
     def call_failed(self, error: Exception) -> None:
-        """Rank 0's call raised `error`: RankFailed (chained to it) when a worker is gone
-        or torch.distributed raised; otherwise the caller re-raises `error` (the same
-        error on every rank: the model's, which the engine isolates)."""
+        """Rank 0's part of a call raised `error`: RankFailed (chained to it) when a rank
+        or node is gone or torch.distributed raised; otherwise the caller re-raises
+        `error` (the same error on every rank: the model's, which the engine isolates)."""
         try:
             self.check_alive(EXIT_GRACE_S)
         except RankFailed as failed:
@@ -152,92 +133,77 @@ class WorkerGroup:
         if isinstance(error, dist.DistError):
             raise RankFailed(f"the process group failed: {error}") from error
 
+    def watch(self, callback: Callable[[Exception], None]) -> None:
+        """`callback(failure)` from a thread when another node fails (nodes.py)."""
+        self.nodes.watch(callback)
+
+    def describe_all(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """("rank R pid P on DEVICE[ of node N (HOST)]" for every rank, rank 0 first;
+        "node N (HOST): ranks A-B" for every node when there are several)."""
+        local = [(0, os.getpid(), str(self.device))] + [
+            (p.rank, p.pid, p.device) for p in self.local.processes]
+        ranks = [f"rank {r} pid {pid} on {device}" for r, pid, device in local]
+        ranks += self.nodes.rank_entries()
+        if not self.nodes.members:
+            return tuple(ranks), ()
+        per_node = self.config.ranks_per_node
+        nodes = [f"node 0 ({os.uname().nodename}: ranks 0-{per_node - 1})"]
+        nodes += self.nodes.node_entries()
+        return tuple(ranks), tuple(nodes)
+
     def abort(self) -> None:
-        """After a failed start: SIGTERM the workers at once (one may be waiting to join the
-        group, where it reads no `stop`) and leave the group if it was joined."""
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            process.join(STOP_TIMEOUT_S)
-            process.close()
+        """After a failed start: SIGTERM the local ranks at once (one may be waiting to join
+        the group, where it reads no call), drop the nodes' links, leave the group."""
+        self.local.abort()
+        self.nodes.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def close(self) -> None:
-        """Stop the workers (`stop`, then SIGTERM after STOP_TIMEOUT_S) and leave the group."""
-        for process in self.processes:
-            try:
-                process.pipe.send_bytes(encode("stop"))
-            except OSError as e:  # that worker has exited already; it is joined below
-                log.info("rank already gone at stop (%s)", e, extra={"event": "rank_gone"})
-        for process in self.processes:
-            process.join(STOP_TIMEOUT_S)
-            if process.is_alive():
-                process.terminate()
-                process.join(STOP_TIMEOUT_S)
-            process.close()
+        """Stop every rank (`stop`; a local one left after STOP_TIMEOUT_S is terminated),
+        tell the other nodes, leave the group."""
+        try:
+            self.send("stop")
+        except RankFailed as e:  # one is gone already; the others are stopped below
+            log.info("a rank was gone at stop (%s)", e, extra={"event": "rank_gone"})
+        self.local.join(STOP_TIMEOUT_S)
+        self.nodes.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 class DriverModel(nn.Module):
-    """Rank 0's shard (`local`) behind the model interface; every call also runs on the
-    workers (module docstring). `config` and `model` are the local shard's."""
+    """Rank 0's shard (`local`) behind the models' interface, for the runner's own calls
+    (the logits, KV copies): each is announced to the other ranks first (`workers.call`).
+    The backends run `local` and announce their executions themselves. `config` and
+    `model` are the local shard's."""
 
-    def __init__(self, local: CausalLM, workers: WorkerGroup, local_config: ModelConfig,
-                 device: str) -> None:
+    def __init__(self, local: CausalLM, workers: RankGroup) -> None:
         super().__init__()
-        self.device = device  # `--device`: rank r runs on rank_device(device, r)
         self.local = local
         self.workers = workers
-        self.local_config = local_config
         self.config = local.config
         self.model = local.model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[torch.Tensor], meta: AttentionMetadata,
                 capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.workers.send("forward", input_ids, positions, meta, tuple(capture_layers))
-        try:
+        with self.workers.call("model", input_ids, positions, meta, tuple(capture_layers)):
             return self.local(input_ids, positions, kv_caches, meta, capture_layers)
-        except Exception as e:
-            self.workers.call_failed(e)
-            raise
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.workers.send("logits", hidden)
-        try:
+        with self.workers.call("logits", hidden):
             return self.local.compute_logits(hidden)
-        except Exception as e:
-            self.workers.call_failed(e)
-            raise
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.workers.send("embed", input_ids)
-        try:
+        with self.workers.call("embed", input_ids):
             return self.local.embed_tokens(input_ids)
-        except Exception as e:
-            self.workers.call_failed(e)
-            raise
 
     def copy_kv_slots(self, kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
                       dst_slots: torch.Tensor) -> None:
-        # No collective: a worker that died during the copy is seen at the next call.
-        self.workers.send("copy_kv", src_slots, dst_slots)
-        self.local.copy_kv_slots(kv_caches, src_slots, dst_slots)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                          device: torch.device) -> list[torch.Tensor]:
-        """Every rank allocates `num_blocks` blocks of its own layer shape (its K/V heads;
-        MLA's whole latent rows); returns rank 0's."""
-        self.workers.send("allocate_kv", num_blocks)
-        return allocate_kv_cache(self.local_config, num_blocks, block_size, dtype, device)
-
-    def ranks(self) -> tuple[str, ...]:
-        """"rank R pid P on DEVICE" for every rank, rank 0 (this process) first."""
-        pids = [os.getpid()] + [p.pid for p in self.workers.processes]
-        return tuple(f"rank {r} pid {pid} on {rank_device(self.device, r)}"
-                     for r, pid in enumerate(pids))
+        # No collective: a rank that died during the copy is seen at the next call.
+        with self.workers.call("copy_kv", src_slots, dst_slots):
+            self.local.copy_kv_slots(kv_caches, src_slots, dst_slots)
 
     def close(self) -> None:
         self.workers.close()
@@ -245,25 +211,27 @@ class DriverModel(nn.Module):
 
 def start_parallel_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,
                          dtype: torch.dtype, make_linear: LinearFactory) -> DriverModel:
-    """Start the workers and load every rank's shard (module docstring); whole or raises,
-    with the workers stopped."""
+    """Start the other ranks and load every rank's shard (module docstring); whole or
+    raises, with the ranks stopped."""
     par = ParallelContext(0, config.tensor_parallel_size, config.expert_parallel)
-    local_config = shard_model_config(model_config, par)  # a size that does not divide raises
-    workers = WorkerGroup(config)
+    shard_model_config(model_config, par)  # a size that does not divide raises, before starts
+    workers = RankGroup(config)
     try:
-        # Rank 0 loads while the workers start (loading needs no process group); in the
-        # waits below it reads the workers' beats, which the stage watch sees as progress.
+        # Rank 0 loads while the others start (loading needs no process group); in the
+        # waits below it reads their beats, which the stage watch sees as progress.
         local = load_model(model_config, device, dtype, make_linear, par)
-        # A worker that fails to start (an import) is seen here, not as a group that
-        # never completes.
-        workers.wait_for("joining", COLLECTIVE_TIMEOUT.total_seconds())
+        # A rank that fails to start (an import) is seen here, not as a group that never
+        # completes; a node not started yet is named once the wait runs out.
+        workers.wait_for("joining", config.dist_init_timeout_s)
         init_group(workers.store, 0, config.tensor_parallel_size, device)
         workers.wait_for("ready", COLLECTIVE_TIMEOUT.total_seconds())
     except BaseException:
         workers.abort()
         raise
+    ranks, nodes = workers.describe_all()
     log.info("tensor parallel group ready", extra={
         "event": "tensor_parallel_ready", "world_size": config.tensor_parallel_size,
         "expert_parallel": config.expert_parallel,
-        "worker_pids": [p.pid for p in workers.processes]})
-    return DriverModel(local, workers, local_config, config.device)
+        "worker_pids": [p.pid for p in workers.processes], "ranks": list(ranks),
+        "nodes": list(nodes)})
+    return DriverModel(local, workers)

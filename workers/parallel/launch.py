@@ -9,7 +9,7 @@ the script's is imported in its place), as the scheduler process is started
 
 The child inherits one end of a socketpair as its control pipe (`--control-fd`; a
 `multiprocessing.connection.Connection` on both ends, which carries the start-up protocol
-of rank_main.py), the parent's environment and working directory, /dev/null as stdin. Its
+of rank_spec.py), the parent's environment and working directory, /dev/null as stdin. Its
 stderr is a pipe that a thread of the parent copies line by line to the parent's stderr
 (the rank's records reach the same journal) and whose last lines it keeps, so that a rank
 that exits before it could report anything (an import that fails, an interpreter that
@@ -35,6 +35,10 @@ STDERR_FD = 2  # the parent's own stderr, whatever object sys.stderr is now
 STDERR_LINES_KEPT = 200
 # How long a rank seen exited may take to close its stderr (its last lines read).
 STDERR_GRACE_S = 1.0
+# How long a rank seen exited may take to be reaped (its exit code known); after a call
+# raised, how long one may take to be seen exited (a broken collective is often noticed
+# before the dead process is reaped).
+EXIT_GRACE_S = 0.5
 
 
 def module_command(module: str, args: Sequence[str]) -> list[str]:
@@ -62,12 +66,17 @@ class RankProcess:
         finally:
             theirs.close()
         self.pipe = Connection(ours.detach())
-        self.sentinel = os.pidfd_open(self.process.pid)
+        self._pidfd = os.pidfd_open(self.process.pid)
         self._stderr_lines: collections.deque[str] = collections.deque(
             maxlen=STDERR_LINES_KEPT)
         self._tee = threading.Thread(target=self._copy_stderr, args=(self.process.stderr,),
                                      name=f"rank{rank}-stderr", daemon=True)
         self._tee.start()
+
+    @property
+    def sentinel(self) -> int:
+        """A pidfd: readable once the process has exited."""
+        return self._pidfd
 
     @property
     def pid(self) -> int:
@@ -99,17 +108,27 @@ class RankProcess:
         record alone says which process and device it was."""
         return f"rank {self.rank} (pid {self.pid} on {self.device})"
 
-    def error_line(self) -> str:
+    def error_line(self, traceback_only: bool = False) -> str:
         """The exception line of the first traceback the rank wrote to stderr (else its
-        last line; "" if it wrote nothing), once its stderr is closed or STDERR_GRACE_S
-        passed."""
+        last line, unless `traceback_only`; "" if none), once its stderr is closed or
+        STDERR_GRACE_S passed."""
         self._tee.join(STDERR_GRACE_S)
-        return first_error_line(list(self._stderr_lines))
+        return first_error_line(list(self._stderr_lines), traceback_only)
+
+    def exit_error(self, expected: str) -> str:
+        """Why it is not `expected` ("joining", "ready"): it exited, with this code, after
+        writing this error line."""
+        self.join(EXIT_GRACE_S)  # its exit code, once reaped
+        error = self.error_line()
+        return (f"{self.describe()} exited with code {self.exitcode} before it was "
+                f"{expected}" + (f": {error}" if error else ""))
 
     def close(self) -> None:
-        """Release the pipe and the pidfd (the process must have exited or been killed)."""
-        self.pipe.close()
-        os.close(self.sentinel)
+        """Release the pipe and the pidfd (the process must have exited or been killed);
+        once."""
+        if not self.pipe.closed:
+            self.pipe.close()
+            os.close(self._pidfd)
 
     def _copy_stderr(self, stream: IO[bytes] | None) -> None:
         if stream is None:
@@ -126,13 +145,16 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def first_error_line(lines: Sequence[str]) -> str:
+def first_error_line(lines: Sequence[str], traceback_only: bool = False) -> str:
     """The exception line of the first traceback in `lines` (its first unindented line
-    after "Traceback (most recent call last):"), else the last non-empty line, else ""."""
+    after "Traceback (most recent call last):"), else the last non-empty line (unless
+    `traceback_only`), else ""."""
     in_traceback = False
     for line in lines:
         if line.startswith("Traceback (most recent call last):"):
             in_traceback = True
         elif in_traceback and line and not line.startswith(" "):
             return line
+    if traceback_only:
+        return ""
     return next((line for line in reversed(lines) if line.strip()), "")

@@ -11,7 +11,8 @@ The loop is `receive -> step -> send`: messages from the front arrive on an IO t
 `StepOutput`, which the send thread encodes. A step runs whenever the engine has work; with
 none, the loop blocks on the inbox. A step that raises because of one request ends that
 request with an error delta (the engine isolates it: workers/engine/isolation.py); any other
-exception in the loop ends the process with exit code 75 (`fail`).
+exception in the loop ends the process with exit code 75 (`fail`), as does a tensor-parallel
+node found failed by the thread that watches it (workers/parallel/nodes.py).
 
 Signals: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C or a control-group SIGTERM
 must not kill the scheduler under a draining front); the front stops it with `Shutdown`,
@@ -225,6 +226,10 @@ def run(config_json: str, paths: LinkPaths) -> int:
     try:
         core = start_engine(config_json, io)
         stage = "loop"
+        # A node of a multi-node engine that fails while the loop waits for it (silent:
+        # inside a collective that would wait COLLECTIVE_TIMEOUT) ends the process from the
+        # thread that noticed.
+        core.on_rank_failure(lambda error: os._exit(fail(io, "loop", error, EXIT_LOOP_FAILED)))
         EngineLoop(core, io).run()
     except StageError as exc:
         return fail(io, exc.stage, exc.error, startup_exit_code(exc.error))

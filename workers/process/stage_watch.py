@@ -16,7 +16,7 @@ says what moved (and the CPU time, for the operator).
 
 A main thread that waits on other processes still moves while they work: rank 0 of a
 tensor-parallel model, waiting for ranks 1..N-1 to start and load their shards, reads a
-beat from each of them every second (parallel/rank_main.py `StatusPipe.beating`, from the
+beat from each of them every second (parallel/rank_spec.py `StatusPipe.beating`, from the
 rank's interpreter start on), and those reads count in its `rchar`. A stopped worker sends
 no beats, so its silence is rank 0's too and the hang timeout ends it; a worker whose load
 hangs while its process runs keeps beating (a thread of its own sends them) until rank 0's

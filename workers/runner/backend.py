@@ -16,6 +16,12 @@ between forwards to do that faster. Three satisfy the interface:
 The runner picks one (`ModelRunner._make_backend`); nothing outside the backends tests
 which one it has.
 
+Tensor parallelism: every rank holds a backend of the same kind over its own shard and
+cache. Rank 0's announces each model execution to the other ranks (`peers.call`,
+workers/parallel/peers.py: a forward, one part of a split CPU step, the kept K/V dropped),
+and theirs run it (`follow`), so a compiled or captured step runs on every rank with its
+collectives inside, each rank having captured the same shapes.
+
 A capture or compilation that fails is one of the documented fallbacks: the part runs
 eagerly from then on, the failure is logged once (an ERROR record with the traceback) and
 `Backend.fallbacks` names it with its reason, for `specctl status` and `specctl doctor`.
@@ -32,6 +38,8 @@ import torch
 from specd.workers.engine.batch import ScheduledBatch
 from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.models.registry import CausalLM
+from specd.workers.parallel.peers import NO_PEERS, Peers
+from specd.workers.runner.attention import AttentionMetadata
 from specd.workers.runner.step_inputs import StepInputs, prepare_inputs
 from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 
@@ -119,18 +127,23 @@ class Backend(ABC):
     Contract: `forward` and `forward_step` store the step's K/V in the cache. Whatever a
     backend keeps derived from the cache between forwards is its own business, provided
     the runner calls `kv_changed` whenever the cache is written some other way.
+
+    peers: the other ranks, told of every model execution first (module docstring;
+    NO_PEERS in one process and on ranks 1..N-1, which `follow`).
     """
 
     # Whether steps compile on their first call (warm-up then runs every step kind).
     compiles = False
 
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
-                 kv_caches: list[torch.Tensor], block_size: int) -> None:
+                 kv_caches: list[torch.Tensor], block_size: int,
+                 peers: Peers = NO_PEERS) -> None:
         self.model = model
         self.capture_layers = tuple(capture_layers)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = kv_caches[0].device
+        self.peers = peers
         self.draft_loops: list[DraftLoopRunner] = []  # made by draft_loop_runner
 
     def forward_step(self, batch: ScheduledBatch, input_ids: InputIds) -> StepForward:
@@ -140,15 +153,39 @@ class Backend(ABC):
         return StepForward(hidden, aux, inputs.sample_rows, inputs.sample_seqs,
                            inputs.sample_ids)
 
-    @abstractmethod
     def forward(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
         """The model over prepared inputs (any step: verify, mixed, prefill) -> (hidden, aux);
-        `input_ids` are the inputs' ids with placeholders resolved."""
+        `input_ids` are the inputs' ids with placeholders resolved. Announced to the other
+        ranks (op "forward")."""
+        with self.peers.call("forward", input_ids, inputs.positions, inputs.meta):
+            return self.run(input_ids, inputs)
 
     @abstractmethod
-    def kv_changed(self) -> None:
+    def run(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+        """`forward` on this rank alone."""
+
+    def kv_changed(self) -> None:  # noqa: B027 - most backends keep nothing to forget
         """The cache was written outside this backend's forwards (K/V moved, a step that
-        failed half way): forget whatever was derived from it."""
+        failed half way): forget whatever was derived from it (on every rank)."""
+
+    def follow(self, op: str, args: tuple[object, ...]) -> None:
+        """Run on this rank (1..N-1) what rank 0's backend of the same kind announced:
+        (op, args) as its `peers.call` sent them. Outputs are dropped: rank 0 has its own."""
+        if op == "forward":
+            input_ids, positions, meta = args
+            inputs = follower_inputs(input_ids, positions, self.adopt(meta))
+            self.run(inputs.input_ids, inputs)
+        elif op == "kv_changed":
+            self.kv_changed()
+        else:
+            raise ValueError(f"{type(self).__name__} has no call {op!r}")
+
+    def adopt(self, meta: object) -> AttentionMetadata:
+        """Rank 0's attention metadata as this rank's (what it refers to of the sender's,
+        this rank's own instead); as it came, for a backend that keeps nothing."""
+        if not isinstance(meta, AttentionMetadata):
+            raise TypeError(f"a forward call carries AttentionMetadata, got {type(meta)}")
+        return meta
 
     def draft_loop_runner(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         """How the draft head's loop runs on this backend (called once, by the worker); kept,
@@ -192,14 +229,21 @@ class Backend(ABC):
                           self.capture_layers)
 
 
+def follower_inputs(input_ids: object, positions: object, meta: AttentionMetadata
+                    ) -> StepInputs:
+    """The step inputs of a forward rank 0 announced: its ids, positions and metadata (a
+    rank other than 0 samples nothing)."""
+    if not isinstance(input_ids, torch.Tensor) or not isinstance(positions, torch.Tensor):
+        raise TypeError("a forward call carries input ids and positions as tensors")
+    return StepInputs(input_ids=input_ids, positions=positions, meta=meta,
+                      sample_rows=torch.empty(0, dtype=torch.int64), sample_seqs=[])
+
+
 class EagerBackend(Backend):
-    """Every forward and the draft loop run eagerly."""
+    """Every forward and the draft loop run eagerly; nothing is kept between forwards."""
 
-    def forward(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+    def run(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
         return self.eager(input_ids, inputs)
-
-    def kv_changed(self) -> None:
-        """Nothing is kept between forwards."""
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape

@@ -11,6 +11,10 @@
   loop compiled too (cpu_draft.py). A compilation that fails is logged once and the steps
   run eagerly (status says why).
 
+Under tensor parallelism every rank holds this backend over its shard: rank 0 plans each
+step's kept K/V, and the other ranks apply its plans to their own copies (`adopt`); the
+compiled decode has the all-reduces inside.
+
 The kept K/V and the compiled decode read per-head K and V: they serve the dense decoder.
 A model with a latent cache (MLA, deepseek_v3.py) gathers its latent rows from the cache in
 every step, so for it neither exists; `--cpu-compile` then compiles the draft loop only,
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +34,8 @@ from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.models.layers import bf16_packing_unsupported, can_pack, pack_linears_for_cpu
 from specd.workers.models.registry import CausalLM
+from specd.workers.parallel.peers import NO_PEERS, Peers
+from specd.workers.runner.attention import AttentionMetadata
 from specd.workers.runner.backend import (
     Backend,
     DraftLoop,
@@ -39,6 +46,7 @@ from specd.workers.runner.backend import (
     InputIds,
     Outputs,
     StepForward,
+    follower_inputs,
 )
 from specd.workers.runner.cpu_decode import CompiledDecode
 from specd.workers.runner.cpu_draft import CompiledDraftLoop
@@ -55,8 +63,8 @@ class CpuBackend(Backend):
 
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, compile: bool,
-                 verify_len: int | None) -> None:
-        super().__init__(model, capture_layers, kv_caches, block_size)
+                 verify_len: int | None, peers: Peers = NO_PEERS) -> None:
+        super().__init__(model, capture_layers, kv_caches, block_size, peers)
         # With compile each packed linear also keeps its plain weight for the compiled steps.
         self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile)
         self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
@@ -89,16 +97,51 @@ class CpuBackend(Backend):
         return StepForward(hidden, aux, inputs.sample_rows, inputs.sample_seqs,
                            inputs.sample_ids)
 
-    def forward(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+    def run(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
         if not any(g.stage_plan is not None for g in inputs.meta.groups):
-            self.kv_changed()  # this forward writes K/V the kept copy would miss
+            self._forget()  # this forward writes K/V the kept copy would miss
         try:
             return self._run(input_ids, inputs)
         except BaseException:
-            self.kv_changed()  # some layers may have appended, others not
+            self._forget()  # some layers may have appended, others not
             raise
 
+    def run_part(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+        """One part of a split plain step (`_forward_parts`), announced to the other ranks
+        (op "run"): the step without `run`'s upkeep of the kept K/V, which the parts do."""
+        with self.peers.call("run", input_ids, inputs.positions, inputs.meta):
+            return self._run(input_ids, inputs)
+
     def kv_changed(self) -> None:
+        with self.peers.call("kv_changed"):
+            self._forget()
+
+    def follow(self, op: str, args: tuple[object, ...]) -> None:
+        """Rank 0's calls (Backend.follow), and "run": one part of a split step."""
+        if op != "run":
+            super().follow(op, args)
+            return
+        input_ids, positions, meta = args
+        inputs = follower_inputs(input_ids, positions, self.adopt(meta))
+        try:
+            self._run(inputs.input_ids, inputs)
+        except BaseException:
+            self._forget()  # as rank 0's `_forward_parts` does
+            raise
+
+    def adopt(self, meta: object) -> AttentionMetadata:
+        """Rank 0's metadata, each kept-K/V plan made this rank's: rank 0's stage planned
+        the step, this rank's stage holds this rank's K/V of the same rows."""
+        received = super().adopt(meta)
+        stage = self.stage
+        if stage is None or all(g.stage_plan is None for g in received.groups):
+            return received
+        groups = tuple(g if g.stage_plan is None
+                       else replace(g, stage_plan=stage.follow(g.stage_plan))
+                       for g in received.groups)
+        return replace(received, groups=groups)
+
+    def _forget(self) -> None:
         if self.stage is not None:
             self.stage.invalidate()
 
@@ -171,7 +214,7 @@ class CpuBackend(Backend):
             for indices, stage in ((decode, self.stage), (rest, None)):
                 part = ScheduledBatch([batch.scheduled[i] for i in indices])
                 inputs = prepare_inputs(part, self.block_size, self.device, stage)
-                hidden, aux = self._run(input_ids(inputs), inputs)
+                hidden, aux = self.run_part(input_ids(inputs), inputs)
                 rows = torch.tensor([r for i in indices for r in range(offsets[i], offsets[i + 1])],
                                     dtype=torch.int64, device=self.device)
                 hidden_parts.append(hidden)
@@ -182,7 +225,7 @@ class CpuBackend(Backend):
                 sample_seqs += inputs.sample_seqs
                 sample_ids += inputs.sample_ids
         except BaseException:
-            self.kv_changed()  # some layers may have appended, others not
+            self._forget()  # some layers may have appended, others not
             raise
         self.num_split_steps += 1
         return StepForward(

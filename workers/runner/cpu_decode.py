@@ -221,8 +221,10 @@ class CompiledDecode:
             values.append(v)
             out = attend_history_and_new(q, k, v, hist[2 * i], hist[2 * i + 1], hist_ok,
                                          new_ok, attn.scale)
-            h = h + attn.o_proj(out.reshape(h.shape[0], -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # Row-parallel o_proj and down_proj under tensor parallelism: the all-reduces
+            # are inside the compiled step (nothing at size 1), as in DecoderLayer.forward.
+            h = h + layer.par.all_reduce(attn.o_proj(out.reshape(h.shape[0], -1)))
+            h = h + layer.par.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
             if self._capture_after[i]:
                 captured.append(h)
         aux = torch.cat(captured, dim=-1) if self.capture_layers else None

@@ -27,7 +27,7 @@ that did not use the stage, after a forward that failed and whenever it moves K/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +50,8 @@ class StagePlan:
     width: the padded key length S_pad the group's mask was built for.
     new_slots / new_positions: int64 [G], cache slot and position of each sequence's new
         token (the one appended), batch order.
+    capacity, num_rows: the copy's key positions per row and rows, as the stage that made
+        the plan allocates them (what another rank's stage follows: `follow`).
     """
 
     stage: DecodeStage
@@ -62,6 +64,8 @@ class StagePlan:
     width: int
     new_slots: torch.Tensor
     new_positions: torch.Tensor
+    capacity: int
+    num_rows: int
 
     @property
     def num_seqs(self) -> int:
@@ -114,7 +118,7 @@ class DecodeStage:
             self._tables, self._lens = [list(t) for t in tables], list(lens)
             rows = torch.arange(g)
             return StagePlan(self, True, rows, rows, True, None, None, width, new_slots,
-                             positions)
+                             positions, self.capacity, self.num_rows)
         row_of, moves, newcomers = assign_rows(old_rows, g)
         if moves or newcomers:
             self.num_remaps += 1
@@ -131,7 +135,19 @@ class DecodeStage:
         return StagePlan(
             self, False, row_t, order, row_of == list(range(g)),
             _pairs(moves), _pairs([(b, row_of[b]) for b in newcomers]),
-            width, new_slots, positions)
+            width, new_slots, positions, self.capacity, self.num_rows)
+
+    def follow(self, plan: StagePlan) -> StagePlan:
+        """Another rank's plan for this step (tensor parallelism: rank 0 plans, every rank
+        keeps the K/V of its own heads for the same rows) as this stage's: its copy sized
+        as the planner's, its remap applied once per layer. The planner's bookkeeping of
+        which sequence holds which row stays the planner's; this stage only follows."""
+        if plan.refresh:
+            self._buffers = {}
+            self.num_refreshes += 1
+        self.capacity, self.num_rows = plan.capacity, plan.num_rows
+        self._remapped = set()
+        return replace(plan, stage=self)
 
     def _match(self, tables: list[list[int]], lens: list[int]) -> list[int] | None:
         """Per sequence of the new group, the row of the kept copy it continues (one token

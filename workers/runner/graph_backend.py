@@ -2,9 +2,11 @@
 draft loops (spec/draft_graphs.py), behind the `Backend` interface.
 
 A forward whose shape was captured replays its graph; any other (prefill chunks, mixed
-steps, larger batches) runs eagerly. On CUDA these are CUDA graphs; on the CPU the same
-code runs with the synchronous stand-in (`graphs.EagerGraph`), so that CI exercises it. A
-capture that failed leaves a backend that runs everything eagerly and says why in status.
+steps, larger batches) runs eagerly. Under tensor parallelism every rank captures the same
+shapes, the all-reduces inside the captured forwards (NCCL under capture on CUDA). On CUDA
+these are CUDA graphs; on the CPU the same code runs with the synchronous stand-in
+(`graphs.EagerGraph`), so that CI exercises it. A capture that failed leaves a backend
+that runs everything eagerly and says why in status.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from specd.workers.models.registry import CausalLM
+from specd.workers.parallel.peers import NO_PEERS, Peers
 from specd.workers.runner.attention import MAX_TREE_TOKENS, AttentionMetadata
 from specd.workers.runner.backend import (
     Backend,
@@ -32,19 +35,20 @@ class GraphBackend(Backend):
     """Replays `graphs` (captured over `kv_caches`, or empty after a failed capture)."""
 
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
-                 kv_caches: list[torch.Tensor], block_size: int, graphs: GraphRunner) -> None:
-        super().__init__(model, capture_layers, kv_caches, block_size)
+                 kv_caches: list[torch.Tensor], block_size: int, graphs: GraphRunner,
+                 peers: Peers = NO_PEERS) -> None:
+        super().__init__(model, capture_layers, kv_caches, block_size, peers)
         self.graphs = graphs
 
-    def forward(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+    def run(self, input_ids: torch.Tensor, inputs: StepInputs) -> Outputs:
+        """The captured graph of the step's shape (every rank captured the same shapes and
+        picks the same one: the shape is host data of the metadata), else eagerly.
+        Nothing is kept between forwards (graphs read the cache where it is)."""
         shape = self.graphs.shape_for(inputs.meta)
         if shape is not None:
             return self.graphs.run(shape, input_ids, inputs.positions, inputs.meta)
         self.graphs.num_eager += 1
         return self.eager(input_ids, inputs)
-
-    def kv_changed(self) -> None:
-        """Nothing is kept between forwards (graphs read the cache where it is)."""
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         graphs = DraftGraphs(loop, capture_sizes(shape.max_num_seqs),

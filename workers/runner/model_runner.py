@@ -29,6 +29,7 @@ from specd.workers.models.linear_factory import linear_factory
 from specd.workers.models.loader import load_model, read_full_tensor
 from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.driver import DriverModel, start_parallel_model
+from specd.workers.parallel.peers import NO_PEERS, Peers
 from specd.workers.runner import sampler
 from specd.workers.runner.backend import Backend, EagerBackend
 from specd.workers.runner.cpu_backend import CpuBackend
@@ -107,10 +108,14 @@ class ModelRunner:
     draft_loop_bytes: graphs the caller captures over this runner (the draft loops), paid
     from whichever budget, as the target's graphs are (spec/draft_budget.py measures both).
 
-    With `config.tensor_parallel_size` > 1 the model is rank 0's shard behind a
-    `DriverModel` (workers/parallel/driver.py), which runs every model call on the worker
-    ranks too; the rest of the runner is the same. Each rank allocates `num_kv_blocks`
-    blocks of its own layer shape (`kv_model_config`), and the budget is each rank's: a
+    With `config.tensor_parallel_size` > 1 every rank has a runner over its own shard
+    (`local_model`), and they build themselves alike (the memory profile, graph captures,
+    the KV cache, the backend: the same collectives in the same order). Rank 0's starts
+    the others (workers/parallel/driver.py) and tells them its construction's arguments;
+    its backend announces every model execution to them (`peers`) and `model` is a
+    `DriverModel` that does the same for the logits and KV copies. The others' runners
+    (`local_model` given: worker.py) only follow. Each rank allocates `num_kv_blocks` blocks
+    of its own layer shape (`kv_model_config`), the least count any rank's budget holds: a
     dense model's rank holds 1/N of the K/V heads, so the same budget holds N times the
     blocks (MLA's latent rows are whole on every rank). `close()` stops the workers.
     """
@@ -120,56 +125,67 @@ class ModelRunner:
                  make_linear: LinearFactory | None = None,
                  verify_shape: tuple[int, bool] | None = None,
                  extra_kv_elements_per_token: int = 0, draft_weight_bytes: int = 0,
-                 draft_loop_bytes: int = 0) -> None:
+                 draft_loop_bytes: int = 0, local_model: CausalLM | None = None) -> None:
         self.config = config
         self.model_config = (ModelConfig.from_dir(config.model_path) if model_config is None
                              else model_config)
-        self.device = torch.device(config.device)
+        # A rank other than 0 runs on its own device (where its shard was loaded).
+        self.device = (torch.device(config.device) if local_model is None
+                       else _model_device(local_model))
         self.dtype_name = resolve_dtype(config, self.model_config)
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.capture_layers = _checked_capture_layers(capture_layers, self.model_config)
         if make_linear is None:
             make_linear = linear_factory(self.model_config)
         self.driver: DriverModel | None = None  # rank 0 of a tensor-parallel group
-        if config.tensor_parallel_size > 1:
+        self.peers: Peers = NO_PEERS
+        if local_model is not None:  # a rank other than 0: its shard, loaded (worker.py)
+            self.local_model = local_model
+            self.model = local_model
+        elif config.tensor_parallel_size > 1:
             self.driver = start_parallel_model(config, self.model_config, self.device,
                                                self.dtype, make_linear)
+            self.local_model = self.driver.local
+            self.peers = self.driver.workers
             # The driver has the models' interface (forward, compute_logits, embed_tokens,
             # copy_kv_slots, config, model) without being one of their classes.
             self.model = cast(CausalLM, self.driver)
         else:
-            self.model = load_model(self.model_config, self.device, self.dtype, make_linear)
-        # The KV budget, profiled on CUDA unless given (kv_cache.kv_budget); before the
-        # trial capture below, whose graphs' memory is then taken from it. Verification
-        # computes logits for every row of every sequence's draft.
-        rows_per_seq = 1 if verify_shape is None else verify_shape[0]
-        self.kv_budget = kv_budget(config, self._device_memory(config.max_num_seqs
-                                                               * rows_per_seq))
-        shapes = graph_shapes(config.max_num_seqs, verify_shape) if config.graphs_enabled else ()
-        failed: GraphRunner | None = None  # a trial capture that failed (logged)
-        # What the draft head takes beside its K/V (spec/draft_budget.py): its weights when
-        # the budget is what the device had free before they were loaded, its graphs always.
-        reserved = (draft_loop_bytes if config.graphs_enabled else 0) + (
-            draft_weight_bytes if self.kv_budget.memory is not None else 0)
-        if shapes and config.num_kv_blocks is None:
-            # Measure the graphs' memory before sizing the cache: capture the largest shapes
-            # over a scratch cache of two blocks (graph memory does not depend on its size).
-            trial = capture_graphs(self.model, self.capture_layers, largest_shapes(shapes),
-                                   self._allocate_kv(2), config.block_size, 1,
-                                   self.longest_sequence)
-            reserved += trial.memory_bytes + kv_block_bytes(self.model_config,
-                                                            config.block_size, self.dtype)
-            if trial.error is not None:
-                shapes, failed = (), trial  # status says why all is eager
-            del trial
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        self.num_kv_blocks = num_kv_blocks(config, self.kv_model_config, self.dtype, reserved,
-                                           extra_kv_elements_per_token, self.kv_budget)
-        # With graphs, one block more than the scheduler owns: the padding rows' (graphs.py).
-        self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
-        self.backend = self._make_backend(
-            shapes, failed, None if verify_shape is None else verify_shape[0])
+            self.local_model = load_model(self.model_config, self.device, self.dtype,
+                                          make_linear)
+            self.model = self.local_model
+        # Every rank builds the same: the other ranks follow from here (worker.py). A failure
+        # stops them (they may wait in a collective this rank never reaches).
+        try:
+            with self.peers.call("runner", self.capture_layers, verify_shape,
+                                 extra_kv_elements_per_token):
+                # The KV budget, profiled on CUDA unless given (kv_cache.kv_budget); before the
+                # trial capture below, whose graphs' memory is then taken from it. Verification
+                # computes logits for every row of every sequence's draft.
+                rows_per_seq = 1 if verify_shape is None else verify_shape[0]
+                self.kv_budget = kv_budget(config, self._device_memory(config.max_num_seqs
+                                                                       * rows_per_seq))
+                # What the draft head takes beside its K/V (spec/draft_budget.py): its weights
+                # when the budget is what the device had free before they were loaded, its
+                # graphs always. Only rank 0 holds the head; the least count below is its.
+                draft_reserved = (draft_loop_bytes if config.graphs_enabled else 0) + (
+                    draft_weight_bytes if self.kv_budget.memory is not None else 0)
+                shapes, failed, graph_reserved = self._trial_capture(
+                    graph_shapes(config.max_num_seqs, verify_shape)
+                    if config.graphs_enabled else ())
+                # Each rank's budget holds its count; every rank takes the least.
+                self.num_kv_blocks = self.local_model.par.agree_min(num_kv_blocks(
+                    config, self.kv_model_config, self.dtype, draft_reserved + graph_reserved,
+                    extra_kv_elements_per_token, self.kv_budget), self.device)
+                # With graphs, one block more than the scheduler owns: the padding rows'
+                # (graphs.py).
+                self.kv_caches = self._allocate_kv(self.num_kv_blocks + (1 if shapes else 0))
+                self.backend = self._make_backend(
+                    shapes, failed, None if verify_shape is None else verify_shape[0])
+        except BaseException:
+            if self.driver is not None:
+                self.driver.workers.abort()
+            raise
         # Unseeded sampling rows share this generator, so a run is reproducible given
         # config.seed; a request with its own seed gets its own generator on first use.
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -183,21 +199,43 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.last_aux_hidden: torch.Tensor | None = None
 
+    def _trial_capture(self, shapes: tuple[GraphShape, ...]
+                       ) -> tuple[tuple[GraphShape, ...], GraphRunner | None, int]:
+        """(the shapes to capture, a trial capture that failed or None, the bytes the
+        graphs take from the KV budget). Measures the graphs' memory before the cache is
+        sized: the largest shapes captured over a scratch cache of two blocks (graph
+        memory does not depend on its size); after a failed capture nothing is captured
+        (status says why all is eager)."""
+        if not shapes or self.config.num_kv_blocks is not None:
+            return shapes, None, 0
+        trial = capture_graphs(self.local_model, self.capture_layers, largest_shapes(shapes),
+                               self._allocate_kv(2), self.config.block_size, 1,
+                               self.longest_sequence)
+        reserved = trial.memory_bytes + kv_block_bytes(self.kv_model_config,
+                                                       self.config.block_size, self.dtype)
+        failed = trial if trial.error is not None else None
+        del trial
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ((), failed, reserved) if failed is not None else (shapes, None, reserved)
+
     def _make_backend(self, shapes: Sequence[GraphShape], failed: GraphRunner | None,
                       verify_len: int | None) -> Backend:
         """Graphs when they are on (captured now over the cache; after a failed trial an
         empty runner: all eager), else the CPU paths on the CPU, else eager."""
         config = self.config
-        args = (self.model, self.capture_layers, self.kv_caches, config.block_size)
+        args = (self.local_model, self.capture_layers, self.kv_caches, config.block_size)
         if failed is not None:
-            return GraphBackend(*args, failed)
+            return GraphBackend(*args, failed, peers=self.peers)
         if shapes:
             return GraphBackend(*args, capture_graphs(
-                self.model, self.capture_layers, shapes, self.kv_caches, config.block_size,
-                self.num_kv_blocks, self.longest_sequence))
+                self.local_model, self.capture_layers, shapes, self.kv_caches,
+                config.block_size, self.num_kv_blocks, self.longest_sequence),
+                peers=self.peers)
         if self.device.type == "cpu":
-            return CpuBackend(*args, compile=config.cpu_compile, verify_len=verify_len)
-        return EagerBackend(*args)
+            return CpuBackend(*args, compile=config.cpu_compile, verify_len=verify_len,
+                              peers=self.peers)
+        return EagerBackend(*args, peers=self.peers)
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step; sample one token for each sequence whose step reaches its end."""
@@ -308,33 +346,40 @@ class ModelRunner:
         if (self.device.type != "cuda" or config.kv_cache_memory_bytes is not None
                 or config.num_kv_blocks is not None):
             return None
-        return measure_device_memory(self.model, self.capture_layers, self._allocate_kv,
+        return measure_device_memory(self.local_model, self.capture_layers, self._allocate_kv,
                                      config.block_size, self.model_config.vocab_size,
                                      config.max_num_batched_tokens, num_logit_rows,
                                      self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
-        if self.driver is not None:
-            return self.driver.allocate_kv_cache(num_blocks, self.config.block_size, self.dtype,
-                                                 self.device)
-        return allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,
+        return allocate_kv_cache(self.kv_model_config, num_blocks, self.config.block_size,
                                  self.dtype, self.device)
 
     @property
     def kv_model_config(self) -> ModelConfig:
         """The config this rank's KV cache is laid out by: the model's, or under tensor
-        parallelism rank 0's shard's (its K/V heads)."""
-        return self.model_config if self.driver is None else self.driver.local_config
+        parallelism this rank's shard's (its K/V heads)."""
+        return self.local_model.config
 
     def draft_embedding_weight(self) -> torch.Tensor:
         """The target's whole token embedding [vocab, hidden], which a draft head without its
         own shares: the model's (the same storage) in one process; under tensor parallelism,
         where the model holds a vocabulary range, a copy read for rank 0's head."""
-        if self.driver is None:
-            weight: torch.Tensor = self.model.model.embed_tokens.weight
+        if not self.local_model.par.is_parallel:
+            weight: torch.Tensor = self.local_model.model.embed_tokens.weight
             return weight
         return read_full_tensor(self.model_config, "model.embed_tokens.weight", self.device,
                                 self.dtype)
+
+    def ranks(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(every rank, every node) in words, for status; both empty in one process."""
+        return ((), ()) if self.driver is None else self.driver.workers.describe_all()
+
+    def on_rank_failure(self, callback: Callable[[Exception], None]) -> None:
+        """Call `callback` (from a watch thread) when a rank or node is found failed outside
+        a step (a node gone silent while this process waits); nothing in one process."""
+        if self.driver is not None:
+            self.driver.workers.watch(callback)
 
     def close(self) -> None:
         """Stop the worker ranks, if any (the runner is unusable after)."""
@@ -370,6 +415,11 @@ class ModelRunner:
         counts = [seqs[i].sampling.logprobs for i in rows]
         found = sampler.top_logprobs(logits[index], tokens[index], counts)
         return {seqs[i].request_id: [lp] for i, lp in zip(rows, found, strict=True)}
+
+
+def _model_device(model: CausalLM) -> torch.device:
+    """Where a loaded model's weights are."""
+    return next(model.parameters()).device
 
 
 def _checked_capture_layers(layers: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
