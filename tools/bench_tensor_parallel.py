@@ -57,7 +57,6 @@ from specd.workers.engine.core import EngineCore
 from specd.workers.parallel.codec import decode, encode
 from specd.workers.parallel.ring import RingReader, RingWriter
 from specd.workers.runner.attention import build_attention_metadata
-
 from tests.integration.heldout import heldout_prompt_ids
 
 BLOCK = 16

@@ -79,6 +79,7 @@ def _two_nodes(port: int, size: int, **options: Any) -> tuple[list[list[int]], i
     return tokens, accepted
 
 
+@pytest.mark.slow  # two launches, an agent and a rank on two cores: 20-40 s
 def test_two_nodes_of_one_rank_give_the_tokens_of_one_process(
         port: int, one_process: dict[str, list[list[int]]]) -> None:
     tokens, _ = _two_nodes(port, 2, speculative_algorithm=None)

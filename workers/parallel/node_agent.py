@@ -198,7 +198,8 @@ class NodeAgent:
             while not link.done.is_set():
                 if steps.poll(int(POLL_S * 1000)):
                     ranks.write(steps.recv(copy=False).buffer)
-        except BaseException as e:  # noqa: BLE001 - the watch loop reports it and exits
+        except BaseException as e:  # noqa: BLE001 - logged here; the watch loop then exits
+            log.exception("relaying node 0's calls failed", extra={"event": "relay_failed"})
             self.relay_error = e
 
     def _watch(self, ranks: WorkerGroup, link: NodeLink) -> int:
