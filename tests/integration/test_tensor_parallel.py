@@ -202,10 +202,10 @@ def int4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_expert_parallel_places_int4_experts_and_keeps_the_tokens(int4_moe_dir: Path) -> None:
-    head = {"draft_model": str(FIXTURE_MOE_DIR / "eagle3")}
-    single, _ = generate(str(int4_moe_dir), speculative_algorithm=None, **head)
+    head = str(FIXTURE_MOE_DIR / "eagle3")
+    single, _ = generate(str(int4_moe_dir), speculative_algorithm=None, draft_model=head)
     tokens, accepted = generate(str(int4_moe_dir), spec_mode="on", tensor_parallel_size=2,
-                                expert_parallel=True, **head)
+                                expert_parallel=True, draft_model=head)
     assert tokens == single and accepted > 0
 
 

@@ -5,6 +5,8 @@ off and on, and whole experts per rank. Skipped with fewer than two CUDA devices
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ pytestmark = [
     ("fixture-moe", {"speculative_algorithm": None, "expert_parallel": True}),
 ])
 def test_size_two_over_nccl_generates_the_size_one_tokens(model: str,
-                                                          options: dict[str, object]) -> None:
+                                                          options: dict[str, Any]) -> None:
     single, _ = generate(model, device="cuda", speculative_algorithm=None)
     tokens, accepted = generate(model, device="cuda", tensor_parallel_size=2, **options)
     assert tokens == single

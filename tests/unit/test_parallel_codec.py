@@ -6,6 +6,7 @@ give; a value a call cannot carry is refused; device tensors travel by the broad
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def assert_same(a: object, b: object) -> None:
         assert a == b
 
 
-def round_trip(op: str, *args: object) -> tuple[str, tuple[object, ...]]:
+def round_trip(op: str, *args: object) -> tuple[str, tuple[Any, ...]]:
     encoded = encode(op, *args)
     assert encoded.device_buffer is None  # every tensor here is on the host
     return decode(encoded.frame, CPU)
