@@ -7,7 +7,8 @@ speculation off, chains and trees (the EAGLE-3 head runs on rank 0 only), with w
 experts per rank (`expert_parallel`; INT4 experts too), with captured forwards (the CPU
 stand-in of CUDA graphs) and with `--cpu-compile` (the all-reduces inside the compiled
 steps). Speculation on must also have accepted drafts, so the verify path really ran
-sharded. Every call reaches the worker through the step ring (workers/parallel/ring.py).
+sharded. Size 4 keeps the tokens too (chains, and trees for both fixtures). Every call
+reaches the workers through the step ring (workers/parallel/ring.py).
 A rank that dies fails the engine, not a request.
 """
 
@@ -103,6 +104,19 @@ def test_size_four_replicates_kv_heads_and_keeps_the_tokens(
     K/V head it shares with its neighbour (speculation on, so verify runs over them too)."""
     tokens, accepted = generate("fixture", spec_mode="on", tensor_parallel_size=4)
     assert tokens == single_rank["fixture"]
+    assert accepted > 0
+
+
+@pytest.mark.slow  # five processes on two cores, each rank verifying trees: 20-30 s each
+@pytest.mark.parametrize("model", ["fixture", "fixture-moe"])
+def test_size_four_with_tree_speculation_keeps_the_tokens(model: str,
+                                                          single_rank: dict[str, Any]) -> None:
+    """Four ranks verifying draft trees: one query head each (the dense fixture's K/V heads
+    shared by two ranks each; MLA's latent cache whole on each), three readers of the step
+    ring."""
+    tokens, accepted = generate(model, spec_mode="on", spec_topk=2, spec_num_steps=3,
+                                spec_num_draft_tokens=6, tensor_parallel_size=4)
+    assert tokens == single_rank[model]
     assert accepted > 0
 
 
