@@ -48,6 +48,7 @@ log = logging.getLogger("specd.worker")
 
 POLL_S = 0.1
 JOIN_TIMEOUT_S = 600.0
+RELAY_JOIN_S = 1.0
 
 
 class NodeLink:
@@ -73,10 +74,12 @@ class NodeLink:
         self._thread.start()
 
     def close(self) -> None:
-        """Send what is queued, stop the thread, close the socket (lingering SILENCE_S)."""
+        """Send what is queued, stop the thread, close the socket: lingering up to SILENCE_S
+        for what is queued to go out, or not at all once node 0 is lost (nothing reaches
+        it, and the agent must be gone soon after its node 0)."""
         self.done.set()
         self._thread.join()
-        self.sock.close()
+        self.sock.close(linger=0 if self.lost.is_set() else None)
 
     def _run(self) -> None:
         try:
@@ -183,7 +186,13 @@ class NodeAgent:
         relay = threading.Thread(target=self._relay, args=(steps, ranks, link), name="relay",
                                  daemon=True)
         relay.start()
-        return self._watch(ranks, link)
+        try:
+            return self._watch(ranks, link)
+        finally:
+            # The relay ends within POLL_S once the link is done (or its ring write raises,
+            # the ranks gone); only then may the step socket close under it.
+            link.done.set()
+            relay.join(RELAY_JOIN_S)
 
     def _relay_beat(self, link: NodeLink) -> None:
         """One `loading` to node 0 a second at most, whichever rank beat."""
