@@ -19,6 +19,12 @@ LABEL_WIDTH = 42
 @click.argument("model")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1,
               show_default=True, help="GPUs (ranks) the model is split over")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="hosts the ranks are spread over, --tensor-parallel-size / --nnodes GPUs "
+              "on each (node 0 runs specd, the others specd-worker)")
+@click.option("--dist-init-addr", default=None, metavar="HOST:PORT",
+              help="node 0's address for the other nodes (specd's --dist-init-addr); needed "
+              "with --nnodes > 1, for the command lines")
 @click.option("--expert-parallel", is_flag=True,
               help="place whole routed experts on ranks instead of splitting each expert")
 @click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), required=True,
@@ -41,12 +47,13 @@ LABEL_WIDTH = 42
               help="longest sequence to hold [default: the model's]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
 @click.pass_context
-def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_parallel: bool,
+def plan(ctx: click.Context, model: str, tensor_parallel_size: int, nnodes: int,
+         dist_init_addr: str | None, expert_parallel: bool,
          gpu_memory_gib: float, memory_fraction: float, reserve_gib: float,
          draft_model: str | None, dtype: str, block_size: int, max_model_len: int | None,
          as_json: bool) -> None:
     """Plan serving MODEL (a model directory, or an embedded model: fixture, fixture-moe)
-    on --tensor-parallel-size GPUs of --gpu-memory-gib each.
+    on --tensor-parallel-size GPUs of --gpu-memory-gib each (over --nnodes hosts).
 
     Builds rank 0's model (and the draft head) on the meta device from config.json and its
     quantization_config, and prints per GPU: weight bytes by kind (INT4 routed experts,
@@ -55,18 +62,26 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
     it holds, and whether one sequence of the model's maximum length fits. Runs the engine's
     start-up checks first (config fields, tokenizer against embedding, what N ranks must
     divide, INT4 modules stored dense, from the safetensors headers) and exits 2 naming what
-    it refuses. Reads no tensor data; runs without a daemon.
+    it refuses. Reads no tensor data; runs without a daemon. With --nnodes > 1 the plan is
+    the same per GPU (tensor parallel across the nodes as within one), and it prints node
+    0's `specd` command line and every other node's `specd-worker` one.
     """
-    from specd.workers.config import EngineConfig
+    from specd.workers.config import EngineConfig, parse_host_port
     from specd.workers.plan.deployment import PlanOptions, make_plan
 
     settings = ctx.find_object(Settings)  # the group's --json counts too
     as_json = as_json or (settings is not None and settings.as_json)
     try:
+        if nnodes > 1 and dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr (HOST:PORT of node 0, "
+                             "where the other nodes reach it)")
+        if dist_init_addr is not None:
+            parse_host_port(dist_init_addr)
         resolved = EngineConfig(model=model, draft_model=draft_model)
         options = PlanOptions(
             gpu_memory_bytes=int(gpu_memory_gib * GIB),
-            tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
+            tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
+            expert_parallel=expert_parallel,
             dtype=dtype, memory_fraction=memory_fraction,
             reserve_bytes=int(reserve_gib * GIB), block_size=block_size,
             max_model_len=max_model_len)
@@ -74,7 +89,9 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
     except (OSError, ValueError) as exc:  # what the engine would refuse at start-up
         raise click.UsageError(str(exc)) from exc
     figures = result.to_dict()
+    figures["dist_init_addr"] = dist_init_addr
     figures["serve_command"] = serve_command(figures) if result.fits else None
+    figures["worker_commands"] = worker_commands(figures) if result.fits else []
     if as_json:
         click.echo(json.dumps(figures))
     else:
@@ -82,19 +99,30 @@ def plan(ctx: click.Context, model: str, tensor_parallel_size: int, expert_paral
 
 
 def serve_command(figures: dict[str, Any]) -> str:
-    """The `specd` command line that serves the plan on the GPUs. The cache is given as the
-    plan's block count: each rank then holds exactly what the plan counts (a budget in bytes
-    would be divided by the whole model's bytes per block, not a rank's)."""
+    """The `specd` command line that serves the plan on the GPUs (node 0's, over several
+    nodes). The cache is given as the plan's block count: each rank then holds exactly what
+    the plan counts (a budget in bytes would be divided by the whole model's bytes per
+    block, not a rank's)."""
     words = ["specd", "--model", figures["model"], "--device", "cuda"]
     if figures["draft_model"]:
         words += ["--draft-model", figures["draft_model"]]
     if figures["tensor_parallel_size"] > 1:
         words += ["--tensor-parallel-size", str(figures["tensor_parallel_size"])]
+    if figures["nnodes"] > 1:
+        words += ["--nnodes", str(figures["nnodes"]), "--dist-init-addr",
+                  figures["dist_init_addr"]]
     if figures["expert_parallel"]:
         words.append("--expert-parallel")
     words += ["--dtype", figures["dtype"], "--block-size", str(figures["block_size"]),
               "--num-kv-blocks", str(figures["num_kv_blocks"])]
     return " ".join(words)
+
+
+def worker_commands(figures: dict[str, Any]) -> list[str]:
+    """The `specd-worker` command line of each node after node 0 (node 1 first): the agent
+    reads the rest of the configuration from node 0."""
+    return [f"specd-worker --nnodes {figures['nnodes']} --node-rank {r} --dist-init-addr "
+            f"{figures['dist_init_addr']}" for r in range(1, figures["nnodes"])]
 
 
 def _row(label: str, nbytes: int, placement: str = "") -> str:
@@ -104,13 +132,15 @@ def _row(label: str, nbytes: int, placement: str = "") -> str:
 def render(f: dict[str, Any]) -> list[str]:
     """The human-readable plan: the weights per GPU, the KV cache, the memory, the verdict
     and the command that serves it."""
-    n = f["tensor_parallel_size"]
+    n, nodes = f["tensor_parallel_size"], f["nnodes"]
     mode = ("expert + tensor parallel" if f["expert_parallel"]
             else "tensor parallel" if n > 1 else "one GPU")
+    where = f" over {nodes} nodes ({n // nodes} each)" if nodes > 1 else ""
     header = f"{'':{LABEL_WIDTH - 5}}{'GiB':>9}  {'bytes':>14}"
     lines = [f"model        {f['model']}",
              f"draft model  {f['draft_model'] or 'none'}",
-             f"layout       {n} x {f['gpu_memory_bytes'] / GIB:.1f} GiB, {mode}, {f['dtype']}",
+             f"layout       {n} x {f['gpu_memory_bytes'] / GIB:.1f} GiB{where}, {mode}, "
+             f"{f['dtype']}",
              "",
              f"per GPU{header}  placement"]
     lines += [_row(kind, part["bytes"], part["placement"]) for kind, part in f["weights"].items()]
@@ -131,6 +161,7 @@ def render(f: dict[str, Any]) -> list[str]:
               "",
               f"verdict      {f['verdict']}"]
     if f["serve_command"]:
-        lines.append(f"serve with   {f['serve_command']}")
+        lines.append(f"serve with   {f['serve_command']}" + ("  (node 0)" if nodes > 1 else ""))
+    lines += [f"node {r:<8}{command}" for r, command in enumerate(f["worker_commands"], 1)]
     lines += [f"assumes      {note}" for note in f["assumptions"]]
     return lines

@@ -120,7 +120,8 @@ class Plan:
         o = self.options
         return {
             "model": str(self.model_dir), "draft_model": self.draft_dir and str(self.draft_dir),
-            "tensor_parallel_size": o.tensor_parallel_size, "expert_parallel": o.expert_parallel,
+            "tensor_parallel_size": o.tensor_parallel_size, "nnodes": o.nnodes,
+            "expert_parallel": o.expert_parallel,
             "dtype": o.dtype, "gpu_memory_bytes": o.gpu_memory_bytes,
             "memory_fraction": o.memory_fraction, "usable_bytes": self.usable_bytes,
             "weights": {p.kind: {"bytes": p.bytes, "placement": p.placement}

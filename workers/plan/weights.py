@@ -50,7 +50,9 @@ SPLIT_MODULES = COLUMN_MODULES | ROW_MODULES
 class PlanOptions:
     """How the model is to be served. gpu_memory_bytes: one GPU's memory; memory_fraction: the
     fraction of it specd may use; reserve_bytes: what the plan keeps for activations, graphs
-    and buffers; block_size: KV tokens per block (the engine's --block-size)."""
+    and buffers; block_size: KV tokens per block (the engine's --block-size); nnodes: the
+    hosts the tensor_parallel_size ranks are spread over, the same number on each (one GPU
+    of any of them holds what one of a single host would: the plan is per GPU)."""
 
     gpu_memory_bytes: int
     tensor_parallel_size: int = 1
@@ -60,10 +62,16 @@ class PlanOptions:
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     block_size: int = 16
     max_model_len: int | None = None
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a "
+                             f"multiple of nnodes {self.nnodes} (the same ranks on each node)")
         if self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
         if self.dtype not in TORCH_DTYPES:
