@@ -86,7 +86,7 @@ def test_the_two_nodes_command_lines_parse_as_specd_and_specd_worker(
     monkeypatch.setattr(node_agent, "NodeAgent", Agent)
     monkeypatch.setattr(node_agent, "setup_logging", lambda *args: None)
     with pytest.raises(SystemExit) as exited:
-        node_agent.main(str(plan["worker_commands"][0]).split()[1:])  # type: ignore[index]
+        node_agent.main(str(plan["worker_commands"][0]).split()[1:])
     assert exited.value.code == 0
     assert started == [(2, 1, ADDR, node_agent.JOIN_TIMEOUT_S)]
 
