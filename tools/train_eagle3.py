@@ -3,21 +3,35 @@ head is a Llama layer either way), on the CPU or a GPU.
 
     python -m tools.train_eagle3 --target workers/fixture --out workers/fixture/eagle3 --minutes 20
 
+    nice -n 10 python -m tools.train_eagle3 --target ~/.cache/specd/models/SmolLM2-135M-Instruct \
+        --data file --sequences /tmp/smollm2_answers.jsonl --out workers/heads/NAME ...
+
 Data. By default (`--data greedy`) the target continues prompts greedily: the head then
 learns the token stream it will see when serving greedy requests. Half the prompts end at a
 `def` line (as the benchmark's held-out prompts do, but from training files), half are random
 windows of the training text. `--data text` trains on the text itself. The default corpus
 is the fixture's training files (the stdlib source, held-out files excluded;
-`train_fixture.corpus_files`).
+`train_fixture.corpus_files`). `--data file` reads prompts and the target's own answers
+from `--sequences` (JSON lines with prompt_ids and answer_ids, as tools/chat_answers.py
+writes them) and trains on the answer tokens only: a chat model's head learns the answers
+it will draft, not the prompts (which the target prefills).
 
 Draft vocabulary: the `--draft-vocab-size` most frequent tokens of the training sequences
-(`d2t`/`t2d`). Target hidden states come from transformers' `output_hidden_states` at the
-head's aux layer ids (default (2, L // 2, L - 3); 0 = embedding output, k = output of block
-k-1). The loss is EAGLE-3's: cross-entropy against the target's distribution restricted to
-the draft vocabulary, over `--ttt-steps` unrolled draft steps (training-time test): step k
-feeds the head its own step k-1 output and the next token, and each row attends to the
-step-0 rows before it plus its own rows of steps 1..k, as a drafted token attends to the
-verified prefix and its draft ancestors. Step k is weighted 0.8^k.
+(of the answers, with `--data file`; `d2t`/`t2d`). Target hidden states come from
+transformers' `output_hidden_states` at the head's aux layer ids (default (2, L // 2, L - 3);
+0 = embedding output, k = output of block k-1). The loss is EAGLE-3's: cross-entropy against
+the target's distribution restricted to the draft vocabulary, over `--ttt-steps` unrolled
+draft steps (training-time test): step k feeds the head its own step k-1 output and the next
+token, and each row attends to the step-0 rows before it plus its own rows of steps 1..k, as
+a drafted token attends to the verified prefix and its draft ancestors. Step k is weighted
+0.8^k. Rows whose target argmax lies outside the draft vocabulary are not trained on.
+
+Memory. Training keeps the target's logits over the draft vocabulary only (and its argmax
+over the whole vocabulary). With `--data file` the full logits never outlive one batch of
+the target's forward (at a vocabulary of 49,152 they are 98 KB a position in bf16); with
+`--data greedy` (the fixtures, a few thousand tokens of vocabulary) they are kept until the
+draft vocabulary is known, as the generation makes them. The sequences are kept flat,
+without padding; a training batch pads its sequences to the longest of them.
 
 Writes config.json (`LlamaForCausalLMEagle3`, `draft_vocab_size`, `eagle_config` whose ids
 follow that format's rule, id i = the output of block i: one less than the numbering above),
@@ -32,7 +46,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +53,7 @@ from safetensors.torch import save_file
 
 from specd.workers.spec.draft_config import DraftConfig, aux_layer_ids_as, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead
+from tools.eagle3_data import TrainData, file_data, from_dense, read_sequences
 from tools.make_prompts import prompts_from_file
 from tools.train_fixture import corpus_files, read_text, stdlib_root
 
@@ -54,17 +68,19 @@ def load_target(path: Path, device: str):
     return model.eval()
 
 
-def head_config(target_cfg, draft_vocab_size: int, aux_ids: tuple[int, ...]) -> DraftConfig:
-    """The head's shape from the target's (a Llama layer of the target's width). An MLA
-    target's `head_dim` names its rope part (DeepseekV3Config): the head's attention then
-    takes hidden // heads, as for a target without head_dim."""
+def head_config(target_cfg, draft_vocab_size: int, aux_ids: tuple[int, ...],
+                intermediate_size: int | None = None) -> DraftConfig:
+    """The head's shape from the target's (a Llama layer of the target's width; its MLP as
+    wide as the target's unless `intermediate_size` is given). An MLA target's `head_dim`
+    names its rope part (DeepseekV3Config): the head's attention then takes hidden // heads,
+    as for a target without head_dim."""
     heads = target_cfg.num_attention_heads
     rope = getattr(target_cfg, "rope_parameters", None) or {}
     is_mla = getattr(target_cfg, "kv_lora_rank", None) is not None
     head_dim = None if is_mla else getattr(target_cfg, "head_dim", None)
     return DraftConfig(
         hidden_size=target_cfg.hidden_size,
-        intermediate_size=target_cfg.intermediate_size,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_attention_heads=heads,
         num_key_value_heads=target_cfg.num_key_value_heads or heads,
         head_dim=head_dim or target_cfg.hidden_size // heads,
@@ -165,23 +181,15 @@ def greedy_continue_with_outputs(target, prompts: torch.Tensor, num_new: int,
             torch.cat(logits, dim=1))
 
 
-@dataclass(frozen=True)
-class TrainData:
-    """Training sequences [N, S]; with greedy data also the target's aux hidden states
-    [N, S, 3H] and logits [N, S, V] (bf16), so training needs no second target pass."""
-
-    tokens: torch.Tensor
-    aux: torch.Tensor | None
-    logits: torch.Tensor | None
-
-
 def build_data(args: argparse.Namespace, target, stream: torch.Tensor, aux_ids: tuple[int, ...],
-               gen: torch.Generator) -> TrainData:
-    """Text windows, or prompts + the target's greedy continuations (with its outputs)."""
+               gen: torch.Generator,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Text windows, or prompts + the target's greedy continuations with its outputs:
+    tokens [N, S], aux hidden states [N, S, 3H] and full logits [N, S, V] (bf16; both None
+    for text)."""
     if args.data == "text":
         starts = torch.randint(0, len(stream) - args.seq_len, (args.num_sequences,), generator=gen)
-        return TrainData(torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()]),
-                         None, None)
+        return torch.stack([stream[s: s + args.seq_len] for s in starts.tolist()]), None, None
     prompt_len = args.prompt_tokens
     # Half the prompts end at a def line (as the benchmark's), half are random text windows.
     num_def = args.num_sequences // 2
@@ -205,12 +213,13 @@ def build_data(args: argparse.Namespace, target, stream: torch.Tensor, aux_ids: 
         done = min(i + args.gen_batch, len(prompts))
         print(f"generated {done}/{len(prompts)} continuations ({time.time() - t0:.0f}s)",
               flush=True)
-    return TrainData(torch.cat(tokens), torch.cat(aux), torch.cat(logits))
+    return torch.cat(tokens), torch.cat(aux), torch.cat(logits)
 
 
 def draft_vocab(sequences: torch.Tensor, vocab_size: int, size: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(d2t int64 [size], t2d bool [vocab], coverage): the most frequent tokens, by id order."""
+    """(d2t int64 [size], t2d bool [vocab], coverage): the most frequent tokens of
+    `sequences` (any shape), by id order."""
     counts = torch.bincount(sequences.flatten(), minlength=vocab_size)
     kept = counts.topk(size).indices.sort().values  # target ids, ascending
     d2t = kept - torch.arange(size)
@@ -244,17 +253,19 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out  # [B, T, heads, d]
 
 
-def ttt_loss(head: DraftHead, aux: torch.Tensor, logits: torch.Tensor, seqs: torch.Tensor,
-             draft_ids: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, list[float]]:
+def ttt_loss(head: DraftHead, aux: torch.Tensor, draft_logits: torch.Tensor,
+             target_top: torch.Tensor, seqs: torch.Tensor, loss_mask: torch.Tensor,
+             num_steps: int) -> tuple[torch.Tensor, list[float]]:
     """Weighted loss over the unrolled steps, and the top-1 agreement with the target per step.
 
-    seqs [B, S]; aux [B, S, 3H] the target's hidden states at the aux layers; logits
-    [B, S, V] the target's. Row i of step k reads token i + 1 + k and predicts token i + 2 + k
-    (the target's distribution at position i + 1 + k), at rope position i + k.
+    seqs [B, S]; aux [B, S, 3H] the target's hidden states at the aux layers; draft_logits
+    [B, S, Vd] its logits over the draft vocabulary, target_top [B, S] its argmax over the
+    whole vocabulary; loss_mask [B, S] the positions trained on. Row i of step k reads token
+    i + 1 + k and predicts token i + 2 + k (the target's distribution at position i + 1 + k),
+    at rope position i + k.
     """
-    target_p = torch.softmax(logits[..., draft_ids].float(), dim=-1)  # [B, S, Vd]
-    target_top = logits.argmax(-1)  # [B, S]
-    in_vocab = head.t2d[target_top]  # [B, S]: rows whose target argmax the draft can name
+    target_p = torch.softmax(draft_logits.float(), dim=-1)  # [B, S, Vd]
+    in_vocab = head.t2d[target_top] & loss_mask  # [B, S]: trained, and the draft can name it
     num_rows = seqs.shape[1] - 1
     rows = torch.arange(num_rows, device=seqs.device)
     hidden = head.fuse(aux[:, :num_rows].to(head.fc.weight.dtype))
@@ -276,7 +287,8 @@ def ttt_loss(head: DraftHead, aux: torch.Tensor, logits: torch.Tensor, seqs: tor
         ce = -(target_p[:, src] * log_q).sum(-1)
         total = total + LOSS_DECAY ** k * (ce * mask).sum() / mask.sum().clamp(min=1)
         hit = (head.to_target_ids(log_q.argmax(-1)) == target_top[:, src]).float()
-        agreement.append(float((hit * valid[None]).sum() / valid.sum() / seqs.shape[0]))
+        counted = (valid[None] & loss_mask[:, src]).float()
+        agreement.append(float((hit * counted).sum() / counted.sum().clamp(min=1)))
         hidden = out
     return total, agreement
 
@@ -291,6 +303,44 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * max(0.1, 1.0 - 0.9 * (step - warmup) / max(1, total - warmup))
+
+
+def prepare_data(args: argparse.Namespace, target, aux_ids: tuple[int, ...], rng: random.Random,
+                 gen: torch.Generator) -> tuple[TrainData, torch.Tensor, torch.Tensor, float]:
+    """(data, d2t, t2d, coverage): the training sequences with the target's outputs over
+    them, and the draft vocabulary chosen from them."""
+    vocab_size = target.config.vocab_size
+    size = min(args.draft_vocab_size, vocab_size)
+    if args.data == "file":
+        seqs, prompt_lens = read_sequences(Path(args.sequences), args.seq_len)
+        answers = torch.tensor([t for s, n in zip(seqs, prompt_lens, strict=True) for t in s[n:]])
+        d2t, t2d, coverage = draft_vocab(answers, vocab_size, size)
+        draft_ids = d2t + torch.arange(len(d2t))
+        with autocast(args):
+            data = file_data(target, seqs, prompt_lens, aux_ids, draft_ids, args.batch_tokens,
+                             args.device)
+        print(f"data: {len(seqs)} sequences, {len(data.tokens):,} tokens, {len(answers):,} "
+              f"answer tokens trained on")
+        return data, d2t, t2d, coverage
+    stream = corpus_ids(Path(args.target) / "tokenizer.json", args.max_files, rng)
+    print(f"corpus: {len(stream):,} tokens")
+    tokens, aux, logits = build_data(args, target, stream, aux_ids, gen)
+    d2t, t2d, coverage = draft_vocab(tokens, vocab_size, size)
+    print(f"data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens")
+    return from_dense(tokens, aux, logits, d2t + torch.arange(len(d2t))), d2t, t2d, coverage
+
+
+def target_pass(target, batch: dict[str, torch.Tensor], aux_ids: tuple[int, ...],
+                draft_ids: torch.Tensor, args: argparse.Namespace,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux, draft_logits, target_top) of a batch: kept from the data, or (`--data text`)
+    computed now by the target."""
+    if "aux" in batch:
+        return batch["aux"], batch["draft_logits"], batch["target_top"]
+    with torch.no_grad(), autocast(args):
+        out = target(input_ids=batch["tokens"], output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
+    return aux, out.logits[..., draft_ids], out.logits.argmax(-1)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -314,16 +364,12 @@ def train(args: argparse.Namespace) -> None:
     if any(not 0 <= i < num_layers for i in aux_ids):
         # transformers' hidden_states[L] is after the final norm, not the block output.
         raise ValueError(f"--aux-layers {list(aux_ids)}: must lie in [0, {num_layers - 1}]")
-    stream = corpus_ids(target_dir / "tokenizer.json", args.max_files, rng)
-    print(f"corpus: {len(stream):,} tokens; target {num_layers} layers, aux layers {aux_ids}")
-    data = build_data(args, target, stream, aux_ids, gen)
-    seqs = data.tokens
-    d2t, t2d, coverage = draft_vocab(seqs, tcfg.vocab_size, min(args.draft_vocab_size,
-                                                                  tcfg.vocab_size))
-    print(f"data: {seqs.shape[0]} sequences x {seqs.shape[1]} tokens; draft vocab "
-          f"{len(d2t)} covers {coverage:.1%} of tokens ({time.time() - t_start:.0f}s)")
+    print(f"target {num_layers} layers, aux layers {aux_ids}")
+    data, d2t, t2d, coverage = prepare_data(args, target, aux_ids, rng, gen)
+    print(f"draft vocab {len(d2t)} covers {coverage:.1%} of the tokens trained on "
+          f"({time.time() - t_start:.0f}s)")
 
-    cfg = head_config(tcfg, len(d2t), aux_ids)
+    cfg = head_config(tcfg, len(d2t), aux_ids, args.head_intermediate_size)
     resolve_aux_layer_ids(cfg, num_layers)  # validates the ids against the target
     head = DraftHead(cfg, torch.device(args.device)).to(args.device)
     head.embed_tokens.weight = target.get_input_embeddings().weight  # shared, frozen
@@ -338,15 +384,9 @@ def train(args: argparse.Namespace) -> None:
     est_steps = args.max_steps
     step, t_train = 0, time.time()
     while step < args.max_steps and time.time() < deadline:
-        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
-        batch = seqs[idx].to(args.device)
-        if data.aux is not None and data.logits is not None:
-            aux, logits = data.aux[idx].to(args.device), data.logits[idx].to(args.device)
-        else:
-            with torch.no_grad(), autocast(args):
-                target_out = target(input_ids=batch, output_hidden_states=True)
-            aux = torch.cat([target_out.hidden_states[i] for i in aux_ids], dim=-1)
-            logits = target_out.logits
+        idx = torch.randint(0, data.num_sequences, (args.batch,), generator=gen)
+        batch = {k: v.to(args.device) for k, v in data.batch(idx).items()}
+        aux, draft_logits, target_top = target_pass(target, batch, aux_ids, draft_ids, args)
         # The schedule decays over the steps the time box allows, estimated from the pace.
         if step == 5:
             per_step = (time.time() - t_train) / 5
@@ -355,7 +395,8 @@ def train(args: argparse.Namespace) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast(args):
-            loss, agreement = ttt_loss(head, aux, logits, batch, draft_ids, args.ttt_steps)
+            loss, agreement = ttt_loss(head, aux, draft_logits, target_top, batch["tokens"],
+                                       batch["loss_mask"], args.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -389,7 +430,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default="workers/fixture", help="target model directory")
     p.add_argument("--out", default="workers/fixture/eagle3", help="output head directory")
-    p.add_argument("--data", choices=("greedy", "text"), default="greedy")
+    p.add_argument("--data", choices=("greedy", "text", "file"), default="greedy")
+    p.add_argument("--sequences", default=None,
+                   help="--data file: JSON lines with prompt_ids and answer_ids")
+    p.add_argument("--batch-tokens", type=int, default=4096,
+                   help="--data file: tokens per forward of the target over the data")
+    p.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: the target's)")
     p.add_argument("--minutes", type=float, default=20.0, help="time box for everything")
     p.add_argument("--max-steps", type=int, default=100_000)
     p.add_argument("--max-files", type=int, default=400, help="training files to draw text from")
@@ -408,7 +455,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.data == "file") != (args.sequences is not None):
+        p.error("--sequences goes with --data file, and --data file needs it")
+    return args
 
 
 if __name__ == "__main__":
