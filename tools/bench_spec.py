@@ -1,4 +1,5 @@
-"""Speculative decoding benchmark on the fixture model (CPU, greedy, held-out prompts).
+"""Speculative decoding benchmark (CPU or GPU, greedy, held-out prompts): the fixture model by
+default, any model with `--model` (a name or a directory; its own head, or `--draft-model`).
 
 1. Acceptance length (accepted drafts + 1 per verify pass) for chains of 3 and 5 steps and
    a tree, with acceptance per draft position.
@@ -6,6 +7,11 @@
    acceptance x t_step / (steps x t_draft + t_verify), where t_step is a plain decode step,
    t_draft one draft level (catch-up included) and t_verify one verify step.
 3. Throughput (output tokens/s) at 1, 4, 16, 64 concurrent requests for off, on and auto.
+
+Prompts: `--workload code` (default), the fixture's held-out code prompts continued for
+exactly `--max-tokens` tokens; `--workload chat`, the held-out chat questions of
+tools/chat_prompts.py in the model's chat template, answered up to `--max-tokens` tokens or
+the end of the turn. An empty `--concurrency` skips section 3.
 
 Prints a table and writes bench_out/bench_spec.json (rewritten after each section, so a run
 cut short keeps what it measured). Run: python -m tools.bench_spec [--device cuda]
@@ -26,6 +32,8 @@ from specd.ipc.sampling import SamplingParams
 from specd.tokenizer import Tokenizer
 from specd.workers.config import FIXTURE_DIR, EngineConfig
 from specd.workers.engine.core import EngineCore
+from tools.chat_answers import chat_prompt_ids, resolve_model_dir
+from tools.chat_prompts import questions
 from tools.workload import load_prompts
 
 # EngineConfig keyword arguments per draft shape (Any: they are passed as **options)
@@ -37,9 +45,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def run(core: EngineCore, prompts: list[list[int]], max_tokens: int,
-        concurrency: int) -> tuple[int, float]:
+        concurrency: int, ignore_eos: bool = True) -> tuple[int, float]:
     """Serve prompts with at most `concurrency` running; (output tokens, seconds)."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     queue = list(enumerate(prompts))
     running = 0
     total = 0
@@ -55,9 +63,10 @@ def run(core: EngineCore, prompts: list[list[int]], max_tokens: int,
     return total, time.perf_counter() - t0
 
 
-def plain_step_time(prompt: list[int], max_tokens: int, device: str = "cpu") -> float:
+def plain_step_time(prompt: list[int], max_tokens: int, device: str = "cpu",
+                    **options: Any) -> float:
     """Seconds per plain decode step at batch 1 (prefill excluded)."""
-    core = EngineCore(EngineConfig(device=device, speculative_algorithm=None))
+    core = EngineCore(EngineConfig(device=device, speculative_algorithm=None, **options))
     core.add_request("p", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     core.step()  # prefill
     t0 = time.perf_counter()
@@ -76,24 +85,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--throughput-tokens", type=int, default=24)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
+    p.add_argument("--model", default=None, help="a model's name or directory (default: fixture)")
+    p.add_argument("--draft-model", default=None, help="its EAGLE-3 head (default: its own)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workload", choices=("code", "chat"), default="code")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="batch-1 runs; the best counts")
     p.add_argument("--out", default="bench_out/bench_spec.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    tok = Tokenizer.from_dir(FIXTURE_DIR)
-    prompts = [tok.encode(t) for t in load_prompts(args.num_prompts)]
-    result: dict[str, Any] = {"device": args.device, "acceptance": {}, "batch1": {},
-                              "throughput": {}}
+    model: dict[str, Any] = {"model": args.model, "draft_model": args.draft_model,
+                             "dtype": args.dtype}
+    model_dir = resolve_model_dir(args.model or "fixture")  # a GGUF-imported model: imported once
+    prompts = workload_prompts(args.workload, model_dir, args.num_prompts)
+    ignore_eos = args.workload == "code"
+    result: dict[str, Any] = {"device": args.device, "model": args.model or "fixture",
+                              "workload": args.workload, "dtype": args.dtype, "acceptance": {},
+                              "batch1": {}, "throughput": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     dev = args.device
 
     print("== acceptance (greedy, held-out prompts)")
     for name, shape in SHAPES.items():
-        core = EngineCore(EngineConfig(device=dev, spec_mode="on", **shape))
-        run(core, prompts, args.max_tokens, len(prompts))
+        core = EngineCore(EngineConfig(device=dev, spec_mode="on", **shape, **model))
+        run(core, prompts, args.max_tokens, len(prompts), ignore_eos)
         s = core.stats()
         per_pos = [a / s.num_verify_passes for a in s.accepted_at_depth]
         result["acceptance"][name] = {"acceptance_length": s.acceptance_length,
@@ -103,18 +120,19 @@ def main(argv: list[str] | None = None) -> None:
         _save(out, result)
 
     print("== batch 1: on vs off")
-    t_step = min(plain_step_time(prompts[0], args.max_tokens, dev)
+    t_step = min(plain_step_time(prompts[0], args.max_tokens, dev, **model)
                  for _ in range(args.repeats))
     for name in ("chain3", "chain5", "tree"):
         # Best of --repeats alternating runs: the machine is shared, noise only slows.
         tok_off, s_off, tok_on, s_on = 0, float("inf"), 0, float("inf")
         for _ in range(args.repeats):
-            off = EngineCore(EngineConfig(device=dev, spec_mode="off"))
-            n, secs = run(off, prompts[:4], args.max_tokens, 1)
+            off = EngineCore(EngineConfig(device=dev, spec_mode="off", **model))
+            n, secs = run(off, prompts[:4], args.max_tokens, 1, ignore_eos)
             if secs < s_off:
                 tok_off, s_off = n, secs
-            on_run = EngineCore(EngineConfig(device=dev, spec_mode="on", **SHAPES[name]))
-            n, secs = run(on_run, prompts[:4], args.max_tokens, 1)
+            on_run = EngineCore(EngineConfig(device=dev, spec_mode="on", **SHAPES[name],
+                                             **model))
+            n, secs = run(on_run, prompts[:4], args.max_tokens, 1, ignore_eos)
             if secs < s_on:
                 tok_on, s_on, on = n, secs, on_run
         st = on.stats()
@@ -140,15 +158,27 @@ def main(argv: list[str] | None = None) -> None:
         work = [prompts[i % len(prompts)] for i in range(max(conc, 4))]
         for mode in ("off", "on", "auto"):
             core = EngineCore(EngineConfig(device=dev, spec_mode=mode,
-                                           max_num_seqs=max(conc, 1), **SHAPES["chain5"]))
+                                           max_num_seqs=max(conc, 1), **SHAPES["chain5"],
+                                           **model))
             core.warmup()  # first-call costs (allocations, oneDNN set-up) out of the timing
-            n, secs = run(core, work, args.throughput_tokens, conc)
+            n, secs = run(core, work, args.throughput_tokens, conc, ignore_eos)
             row[mode] = n / secs
         result["throughput"][str(conc)] = row
         print(f"{conc:5d} {row['off']:8.1f} {row['on']:8.1f} {row['auto']:8.1f}")
         _save(out, result)
 
     print(f"wrote {out}")
+
+
+def workload_prompts(workload: str, model_dir: Path, num: int) -> list[list[int]]:
+    """`num` held-out prompts as token ids: the fixture's code prompts, or chat questions
+    (tools/chat_prompts.py's held-out split, evenly spaced over it) in the model's template."""
+    if workload == "code":
+        tok = Tokenizer.from_dir(FIXTURE_DIR)
+        return [tok.encode(t) for t in load_prompts(num)]
+    rows = questions("heldout")
+    picked = [rows[i * len(rows) // num]["question"] for i in range(min(num, len(rows)))]
+    return chat_prompt_ids(model_dir, picked)
 
 
 def _save(path: Path, result: dict[str, Any]) -> None:
