@@ -267,7 +267,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model_dir = resolve_model_dir(args.model)
     head_dir = Path(args.draft_model) if args.draft_model else _named_head(args.model)
-    gguf = Path(args.gguf) if args.gguf else _named_gguf(args.model)
+    gguf = Path(args.gguf) if args.gguf else (
+        _named_gguf(args.model) if "llamacpp" in args.only else Path())
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = questions("heldout")
     picked = [rows[i * len(rows) // args.num_prompts]["question"]

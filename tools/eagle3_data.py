@@ -152,3 +152,22 @@ def file_data(target, seqs: list[list[int]], prompt_lens: list[int], aux_ids: tu
     aux, draft_logits, top = target_outputs(target, seqs, aux_ids, draft_ids, batch_tokens,
                                             device)
     return TrainData(tokens, offsets, mask, aux, draft_logits, top)
+
+
+FEATURE_FIELDS = ("tokens", "offsets", "loss_mask", "aux", "draft_logits", "target_top")
+
+
+def save_features(path: Path, data: TrainData, d2t: torch.Tensor) -> None:
+    """Write `data` (with the target's outputs) and the draft vocabulary it was restricted
+    to, for a rerun on the same sequences (`load_features`)."""
+    torch.save({**{name: getattr(data, name) for name in FEATURE_FIELDS}, "d2t": d2t}, path)
+
+
+def load_features(path: Path, seqs: list[list[int]], d2t: torch.Tensor) -> TrainData:
+    """The data `save_features` wrote; ValueError unless it was made from these sequences
+    and this draft vocabulary."""
+    saved = torch.load(path, weights_only=True)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    if not torch.equal(saved["tokens"], tokens) or not torch.equal(saved["d2t"], d2t):
+        raise ValueError(f"{path}: made from other sequences or another draft vocabulary")
+    return TrainData(*(saved[name] for name in FEATURE_FIELDS))

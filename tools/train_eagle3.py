@@ -53,7 +53,14 @@ from safetensors.torch import save_file
 
 from specd.workers.spec.draft_config import DraftConfig, aux_layer_ids_as, resolve_aux_layer_ids
 from specd.workers.spec.draft_model import DraftHead
-from tools.eagle3_data import TrainData, file_data, from_dense, read_sequences
+from tools.eagle3_data import (
+    TrainData,
+    file_data,
+    from_dense,
+    load_features,
+    read_sequences,
+    save_features,
+)
 from tools.make_prompts import prompts_from_file
 from tools.train_fixture import corpus_files, read_text, stdlib_root
 
@@ -316,9 +323,16 @@ def prepare_data(args: argparse.Namespace, target, aux_ids: tuple[int, ...], rng
         answers = torch.tensor([t for s, n in zip(seqs, prompt_lens, strict=True) for t in s[n:]])
         d2t, t2d, coverage = draft_vocab(answers, vocab_size, size)
         draft_ids = d2t + torch.arange(len(d2t))
-        with autocast(args):
-            data = file_data(target, seqs, prompt_lens, aux_ids, draft_ids, args.batch_tokens,
-                             args.device)
+        cache = Path(args.features_cache) if args.features_cache else None
+        if cache is not None and cache.is_file():
+            data = load_features(cache, seqs, d2t)
+            print(f"target outputs read from {cache}")
+        else:
+            with autocast(args):
+                data = file_data(target, seqs, prompt_lens, aux_ids, draft_ids,
+                                 args.batch_tokens, args.device)
+            if cache is not None:
+                save_features(cache, data, d2t)
         print(f"data: {len(seqs)} sequences, {len(data.tokens):,} tokens, {len(answers):,} "
               f"answer tokens trained on")
         return data, d2t, t2d, coverage
@@ -435,6 +449,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--data file: JSON lines with prompt_ids and answer_ids")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="--data file: tokens per forward of the target over the data")
+    p.add_argument("--features-cache", default=None,
+                   help="--data file: the target's outputs, read if the file exists, else "
+                        "computed and written there (a rerun on the same data skips them)")
     p.add_argument("--head-intermediate-size", type=int, default=None,
                    help="the head's MLP width (default: the target's)")
     p.add_argument("--minutes", type=float, default=20.0, help="time box for everything")

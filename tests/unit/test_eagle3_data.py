@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tools.chat_prompts import is_heldout, questions
-from tools.eagle3_data import TrainData, answer_mask, from_dense, read_sequences
+from tools.eagle3_data import (
+    TrainData,
+    answer_mask,
+    from_dense,
+    load_features,
+    read_sequences,
+    save_features,
+)
 
 
 def test_a_batch_pads_to_its_longest_sequence_and_masks_the_padding() -> None:
@@ -70,3 +78,21 @@ def test_the_chat_splits_are_disjoint_deterministic_and_cover_every_family() -> 
     families = {"stdlib", "arithmetic", "knowledge", "coding"}
     assert {r["family"] for r in train[:8]} == families  # interleaved: any prefix is mixed
     assert {r["family"] for r in heldout} == families
+
+
+def test_saved_target_outputs_load_only_for_the_same_sequences_and_vocabulary(
+        tmp_path: Path) -> None:
+    seqs = [[1, 2, 3], [4, 5]]
+    data = TrainData(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 3, 5]),
+                     torch.tensor([False, True, False, True, False]),
+                     torch.randn(5, 6).to(torch.bfloat16), torch.randn(5, 2).to(torch.bfloat16),
+                     torch.tensor([2, 3, 0, 5, 0]))
+    d2t = torch.tensor([1, 1])
+    save_features(tmp_path / "f.pt", data, d2t)
+    loaded = load_features(tmp_path / "f.pt", seqs, d2t)
+    assert all(torch.equal(getattr(loaded, n), getattr(data, n))
+               for n in ("tokens", "offsets", "loss_mask", "aux", "draft_logits", "target_top"))
+    with pytest.raises(ValueError, match="other sequences"):
+        load_features(tmp_path / "f.pt", [[1, 2, 3], [4, 6]], d2t)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        load_features(tmp_path / "f.pt", seqs, torch.tensor([1, 2]))
