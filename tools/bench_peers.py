@@ -266,7 +266,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(args.model)
-    head_dir = Path(args.draft_model) if args.draft_model else _named_head(args.model)
+    needs_head = "specd" in args.only or "vllm" in args.only
+    head_dir = Path(args.draft_model) if args.draft_model else (
+        _named_head(args.model) if needs_head else Path())
     gguf = Path(args.gguf) if args.gguf else (
         _named_gguf(args.model) if "llamacpp" in args.only else Path())
     tok = AutoTokenizer.from_pretrained(model_dir)
