@@ -11,10 +11,13 @@ stopped at the end whatever happens; `--only` picks some) and waits for `/v1/mod
 per concurrency (1 and 8), rounds alternate the order in which the servers serve the same
 held-out chat questions (tools/chat_prompts.py, the model's chat template rendered by
 transformers, sent as text to `POST /v1/completions`), greedy (temperature 0), up to
-`--max-tokens` tokens or the end of the turn, streamed. At concurrency 1 the questions go
+`--max-tokens` tokens or the end of the turn, streamed; `--workload code` sends a base
+model (`--model fixture`) the fixture's held-out code prompts instead, continued for exactly
+`--max-tokens` tokens (`ignore_eos`). At concurrency 1 the questions go
 one after another, at 8 eight at a time. specd serves two configurations from one daemon:
 `specd-eagle3` (speculation on, its head, a chain of 5) and `specd-off` (the same requests
-with `"speculative": false`).
+with `"speculative": false`); vLLM fixes speculation per server, so `--only vllm` starts two,
+`vllm-eagle3` (the head, 5 speculative tokens) and `vllm-off`.
 
 Per server and concurrency: output tokens/s (the round's tokens over its wall time), TTFT
 (request sent to the first text), TPOT (first to last text over the tokens after the first),
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import glob
 import json
 import os
@@ -50,6 +54,7 @@ import aiohttp
 
 from tools.chat_answers import resolve_model_dir
 from tools.chat_prompts import questions
+from tools.workload import load_prompts
 
 READY_TIMEOUT_S = 1500.0  # vLLM's first start compiles for minutes on a shared 2-core VM
 
@@ -149,13 +154,18 @@ def build_servers(args: argparse.Namespace, model_dir: Path, head_dir: Path, ggu
         port = free_port()
         venv = Path(args.vllm).resolve().parent.parent
         iomp = sorted(glob.glob(str(venv / "lib" / "**" / "libiomp5.so"), recursive=True))
+        vllm_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+                    **({"LD_PRELOAD": iomp[0]} if iomp else {})}
         spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 5}
         servers["vllm"] = Server("vllm", [
             args.vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--speculative-config", json.dumps(spec)],
-            {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-             "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-             **({"LD_PRELOAD": iomp[0]} if iomp else {})}, port, work / "vllm.log")
+            "--speculative-config", json.dumps(spec)], vllm_env, port, work / "vllm.log")
+        # vLLM fixes speculation per server, not per request: a second server serves it off.
+        port = free_port()
+        servers["vllm-off"] = Server("vllm-off", [
+            args.vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
+            vllm_env, port, work / "vllm-off.log")
     return servers
 
 
@@ -164,7 +174,8 @@ CONFIGS = {
               Config("specd-off", "specd", {"stream_options": {"include_usage": True},
                                             "speculative": False})],
     "vllm": [Config("vllm-eagle3", "vllm", {"stream_options": {"include_usage": True}},
-                    metrics="vllm")],
+                    metrics="vllm"),
+             Config("vllm-off", "vllm-off", {"stream_options": {"include_usage": True}})],
     "llamacpp": [Config("llamacpp", "llamacpp", {}, has_usage=False)],
 }
 
@@ -272,22 +283,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     gguf = Path(args.gguf) if args.gguf else (
         _named_gguf(args.model) if "llamacpp" in args.only else Path())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = questions("heldout")
-    picked = [rows[i * len(rows) // args.num_prompts]["question"]
-              for i in range(args.num_prompts)]
-    prompts = [str(tok.apply_chat_template([{"role": "user", "content": q}],
-                                           add_generation_prompt=True, tokenize=False))
-               for q in picked]
+    if args.workload == "chat":
+        rows = questions("heldout")
+        picked = [rows[i * len(rows) // args.num_prompts]["question"]
+                  for i in range(args.num_prompts)]
+        prompts = [str(tok.apply_chat_template([{"role": "user", "content": q}],
+                                               add_generation_prompt=True, tokenize=False))
+                   for q in picked]
+        workload_body: dict[str, Any] = {}
+    else:  # a base model (the fixtures): code continued for exactly --max-tokens tokens
+        picked = prompts = load_prompts(args.num_prompts)
+        workload_body = {"ignore_eos": True}
 
     def count_tokens(text: str) -> int:
         return len(tok(text, add_special_tokens=False).input_ids)
 
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     servers = build_servers(args, model_dir, head_dir, gguf, work)
-    configs = [c for name in args.only for c in CONFIGS[name]]
+    configs = [dataclasses.replace(c, extra_body={**c.extra_body, **workload_body})
+               for name in args.only for c in CONFIGS[name]]
     result: dict[str, Any] = {
         "model_dir": str(model_dir), "head": str(head_dir), "gguf": str(gguf),
-        "questions": picked, "max_tokens": args.max_tokens, "threads": args.threads,
+        "workload": args.workload, "prompts": picked, "max_tokens": args.max_tokens,
+        "threads": args.threads,
         "machine": platform.platform(), "processor": platform.processor(),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg(),
         "servers": {}, "results": {}}
@@ -377,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--threads", type=int, default=1, help="compute threads of every server")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--workload", choices=("chat", "code"), default="chat",
+                   help="chat: held-out chat questions to the end of the turn; code: the "
+                        "fixture's held-out code prompts, exactly --max-tokens tokens")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
