@@ -149,7 +149,10 @@ def build_servers(args: argparse.Namespace, model_dir: Path, head_dir: Path, ggu
         servers["llamacpp"] = Server("llamacpp", [
             args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
             "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads", threads,
-            "--n_threads_batch", threads], env, port, work / "llamacpp.log")
+            "--n_threads_batch", threads,
+            # Its default cancels the request being served when another arrives; this server
+            # serves one request at a time, so concurrent requests queue instead.
+            "--interrupt_requests", "False"], env, port, work / "llamacpp.log")
     if "vllm" in args.only:
         port = free_port()
         venv = Path(args.vllm).resolve().parent.parent
