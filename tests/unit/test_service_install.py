@@ -132,6 +132,8 @@ def test_every_template_ships_in_the_wheel() -> None:
     patterns = setuptools["package-data"]["specd.systemd"]
     templates = [p.name for p in (REPO / "systemd").iterdir() if p.suffix != ".py"
                  and p.name != "__pycache__"]
-    assert sorted(templates) == ["specd-http.conf", "specd.env", "specd.service", "specd.socket"]
+    assert sorted(templates) == ["specd-http.conf", "specd-nodes.conf", "specd-worker.env",
+                                 "specd-worker.service", "specd.env", "specd.service",
+                                 "specd.socket"]
     for name in templates:
         assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name

@@ -268,8 +268,11 @@ class NodeLinks:
         failure = RankFailed(f"{member.describe()} failed: {reason}")
         log.error("%s", failure, extra={"event": "node_failed", "node_rank": member.node_rank,
                                         "reason": reason})
-        member.writer.close()  # a start-up wait on it ends (exit_error says why)
-        if self.failure is None:
+        first = self.failure is None
+        if first:
+            # Before the writer closes: a start-up wait that the close ends reads `check()`
+            # next, and must find the failure there.
             self.failure = failure
-            if member.is_ready and self._on_failure is not None:
-                self._on_failure(failure)
+        member.writer.close()  # a start-up wait on it ends (exit_error says why)
+        if first and member.is_ready and self._on_failure is not None:
+            self._on_failure(failure)
