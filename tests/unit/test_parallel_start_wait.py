@@ -23,7 +23,9 @@ FAILS = PIPE + "conn.send(('failed', 'Traceback ...\\nValueError: no such tensor
 EXITS_SILENTLY = PIPE + "import os\nos._exit(3)\n"
 RAISES_BEFORE_A_WORD = "import json\njson.loads('{')\n"
 LOADS_SLOWLY = (PIPE + "from specd.workers.parallel.rank_spec import StatusPipe\n"
-                "with StatusPipe(conn).beating():\n    time.sleep(2.5)\nconn.send(('ready', ''))\n")
+                "with StatusPipe(conn).beating():\n    time.sleep(2.5)\nconn.send(('ready', ''))\n"
+                # It stays: an exited stand-in's pipe is at EOF, which poll() also reports.
+                "time.sleep(60)\n")
 NEVER_ANSWERS = PIPE + "time.sleep(60)\n"
 
 
