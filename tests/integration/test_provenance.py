@@ -35,6 +35,7 @@ def _report(pythonpath: list[Path]) -> dict[str, object]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_a_regular_install_fingerprints_the_same_files_as_the_editable_one(
         tmp_path: Path) -> None:
     source = tmp_path / "source"

@@ -125,6 +125,7 @@ def test_a_load_that_stops_progressing_dumps_the_stacks_and_exits_75(
         daemon.stop()
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_a_load_that_spins_without_loading_is_a_hang_with_its_stacks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A busy loop: CPU time and Python lines move, but nothing is read or filled.

@@ -307,6 +307,7 @@ def test_scheduler_killed_mid_stream_exits_75(daemons: list[Daemon], tmp_path: P
     client.close()
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_watchdog_pings_stop_while_the_scheduler_hangs(daemons: list[Daemon], tmp_path: Path,
                                                        model_dir: Path) -> None:
     hang_timeout = 3.0

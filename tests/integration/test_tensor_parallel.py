@@ -98,6 +98,7 @@ def test_size_two_with_speculation_keeps_the_tokens_and_accepts_drafts(
     assert accepted > 0
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_size_four_replicates_kv_heads_and_keeps_the_tokens(
         single_rank: dict[str, Any]) -> None:
     """The dense fixture's 2 K/V heads over 4 ranks: each rank holds one query head and the
@@ -139,6 +140,7 @@ def _replayed(core: EngineCore) -> None:
 
 @pytest.mark.parametrize("options", [{"speculative_algorithm": None}, {"spec_mode": "on"}],
                          ids=["plain", "chain"])
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_size_two_with_captured_forwards_keeps_the_tokens(
         options: dict[str, Any], single_rank: dict[str, Any]) -> None:
     """Graphs with parallelism, through the CPU stand-in of CUDA graphs: every rank

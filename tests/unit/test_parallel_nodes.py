@@ -150,6 +150,7 @@ def test_a_ready_node_that_falls_silent_fails_the_group(links: tuple[NodeLinks, 
     assert "failed: silent for" in str(failures[0])
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_beats_keep_a_ready_node_alive(links: tuple[NodeLinks, Agent]) -> None:
     node_links, agent = links
     failures = _ready(node_links, agent)

@@ -73,6 +73,7 @@ LOADING_RANK = ("import sys, time\n"
                 "    time.sleep(60)\n")
 
 
+@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_rank_zero_waiting_for_a_loading_rank_moves_until_that_rank_is_stopped() -> None:
     """Rank 0's wait for its workers (WorkerGroup.wait_for) reads their beats: the watch
     sees progress while a worker loads, and silence once it is stopped (SIGSTOP)."""
