@@ -60,12 +60,17 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> q [N, heads, d], k and v [N, kv_heads, d] (normed, rotated)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None or self.k_norm is None:
+            # q's and k's heads side by side rotate in one pass (half the rotary's ops).
+            qk_size = self.shard_sizes[0] + self.shard_sizes[1]
+            qk = apply_rotary(qkv[:, :qk_size].reshape(n, -1, self.head_dim), *cos_sin)
+            v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
+            return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin), v
 
 

@@ -149,8 +149,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's k, v [N, num_kv_heads, head_dim] into their slots."""
     num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-    kv_cache_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # K and V in one indexed copy: each op's dispatch is paid on the CPU.
+    kv_cache_layer.view(2, -1, num_kv_heads, head_dim).index_copy_(
+        1, slot_mapping, torch.stack((k, v)))
 
 
 def copy_kv_slots(kv_caches: Sequence[torch.Tensor], src_slots: torch.Tensor,

@@ -39,7 +39,7 @@ from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 from specd.workers.spec.draft_head import Eagle3Head
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted
-from specd.workers.spec.tree import build_tree, expand_tree, start_tree
+from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
 from specd.workers.spec.verify import block_tables, slots
 
 
@@ -223,7 +223,46 @@ def draft_loop(head: Eagle3Head, draft_kv: torch.Tensor, topk: int, num_steps: i
                num_draft_tokens: int, inputs: DraftInputs) -> DraftOutputs:
     """The device part of drafting: shapes fixed by the inputs' and no host reads, so it can
     be captured (checks are left to the host: NaN flags [B] returned). draft_kv: the head's
-    paged cache (`DraftConfig.kv_layer_shape`), which `inputs.prefix_slots` index."""
+    paged cache (`DraftConfig.kv_layer_shape`), which `inputs.prefix_slots` index. A chain
+    that keeps every draft takes `draft_chain`, which gives the same tree."""
+    if topk == 1 and num_draft_tokens == num_steps + 1:
+        return draft_chain(head, draft_kv, num_steps, inputs)
+    return draft_tree(head, draft_kv, topk, num_steps, num_draft_tokens, inputs)
+
+
+def draft_chain(head: Eagle3Head, draft_kv: torch.Tensor, num_steps: int,
+                inputs: DraftInputs) -> DraftOutputs:
+    """`draft_tree` for top-k 1 keeping all `num_steps` drafts, without its bookkeeping
+    (about 250 torch ops a step at 5 levels, more than the head's own): each level's one
+    node extends the last, so it sees the prefix and every earlier level, the tree is the
+    chain itself and its masks are constants."""
+    last_out, roots = inputs.last_out, inputs.roots
+    batch, device = last_out.shape[0], last_out.device
+    prefix = head.gather_prefix(draft_kv, inputs.prefix_slots)
+    logp, ids = _top(head, 1, last_out)  # [B, 1]
+    nan_rows = logp[:, 0].isnan()
+    drafts = [ids]
+    hidden = last_out[:, None]  # [B, 1, H]
+    seen = torch.ones(batch, 1, num_steps, dtype=torch.bool, device=device)
+    scratch: list[tuple[torch.Tensor, ...]] = []
+    for step in range(1, num_steps):
+        mask = torch.cat([inputs.prefix_ok[:, None], seen[:, :, :step]], dim=2)
+        hidden = head.draft_level(head.embed_tokens(ids), hidden, (roots + step - 1)[:, None],
+                                  prefix, scratch, mask)  # [B, 1, H]
+        logp, ids = _top(head, 1, hidden[:, 0])
+        nan_rows = nan_rows | logp[:, 0].isnan()
+        drafts.append(ids)
+    nodes = torch.arange(num_steps + 1, device=device).expand(batch, -1)
+    tree = DraftTree(
+        token_ids=torch.cat([inputs.root_ids.long()[:, None], *drafts], dim=1),
+        parents=nodes - 1, depths=nodes.clone(),
+        tree_mask=(torch.ones_like(nodes) << (nodes + 1)) - 1)  # bits 0..i: the path to i
+    return tree, nan_rows
+
+
+def draft_tree(head: Eagle3Head, draft_kv: torch.Tensor, topk: int, num_steps: int,
+               num_draft_tokens: int, inputs: DraftInputs) -> DraftOutputs:
+    """`draft_loop` for any tree (tree.py's EAGLE-2 bookkeeping)."""
     k = topk
     last_out, roots = inputs.last_out, inputs.roots
     batch, device = last_out.shape[0], last_out.device
