@@ -53,6 +53,8 @@ class RMSNorm(nn.Module):
             # One call instead of six: on the CPU each op's dispatch is paid, and ATen's
             # rms_norm there is these same float32 ops, bit for bit (elsewhere it may be a
             # fused kernel that reduces in another order).
+            if dtype == self.weight.dtype == torch.float32:
+                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
             normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         else:
             x32 = x.float()

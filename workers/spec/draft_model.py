@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.workers.models.layers import apply_rotary
 from specd.workers.runner.attention import AttentionMetadata
 from specd.workers.runner.attention_backend import PER_HEAD, PerHeadAttention
 from specd.workers.spec.draft_config import DraftConfig
@@ -91,14 +92,12 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, heads, d] by positions [..., T] (rotate-half layout, as Llama)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [..., T] -> (cos, sin) [..., T, 1, d/2] in `dtype`, for `apply_rotary`
+    (rotate-half layout, as Llama: pair (i, i + d/2) turns by frequency i)."""
     freqs = positions[..., None].float() * inv_freq  # [..., T, d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, d]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return freqs.cos().to(dtype)[..., None, :], freqs.sin().to(dtype)[..., None, :]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -163,7 +162,8 @@ class DraftHead(Eagle3Head):
         q = attn.q_proj(x).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
         k = attn.k_proj(x).unflatten(-1, (cfg.num_key_value_heads, cfg.head_dim))
         v = attn.v_proj(x).unflatten(-1, (cfg.num_key_value_heads, cfg.head_dim))
-        return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
+        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)  # once for q and k
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """attn [..., T, heads, d] and the layer's input hidden [..., T, H] -> the fed-back
