@@ -5,6 +5,7 @@ both heads (per-head K/V and MLA latents) over a paged prefix of real draft K/V.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -79,10 +80,16 @@ def test_the_loop_takes_the_chain_only_when_it_keeps_every_draft(
     taken: list[str] = []
     from specd.workers.spec import drafting
 
-    monkeypatch.setattr(drafting, "draft_chain", lambda *a: taken.append("chain") or
-                        draft_chain(*a))
-    monkeypatch.setattr(drafting, "draft_tree", lambda *a: taken.append("tree") or
-                        draft_tree(*a))
+    def chain(*args: Any) -> Any:
+        taken.append("chain")
+        return draft_chain(*args)
+
+    def tree(*args: Any) -> Any:
+        taken.append("tree")
+        return draft_tree(*args)
+
+    monkeypatch.setattr(drafting, "draft_chain", chain)
+    monkeypatch.setattr(drafting, "draft_tree", tree)
     inputs = _inputs(core, 3)
     with torch.inference_mode():
         draft_loop(spec.head, spec.drafter.draft_kv, 1, NUM_STEPS, NUM_STEPS + 1, inputs)
