@@ -81,7 +81,6 @@ def _is_dead(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_after_kill_9_of_the_front_its_scheduler_dies_and_the_next_start_cleans_up(
         tmp_path: Path) -> None:
     daemon = Daemon(tmp_path).wait_ready()
@@ -107,7 +106,6 @@ def test_after_kill_9_of_the_front_its_scheduler_dies_and_the_next_start_cleans_
         successor.stop()
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_hung_scheduler_is_detected_dumped_and_killed(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, "--hang-timeout-s", "1.5").wait_ready()
     try:

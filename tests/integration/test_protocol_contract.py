@@ -316,7 +316,6 @@ def test_too_many_connections_are_refused_overloaded_and_closed(daemon: Daemon) 
         time.sleep(0.5)  # the daemon sees them close before the next test connects
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_the_idle_timeout_never_cuts_a_client_waiting_on_its_request(daemon: Daemon) -> None:
     raw = Raw(daemon)
     try:

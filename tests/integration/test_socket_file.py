@@ -39,7 +39,6 @@ def _health(url: str) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_a_removed_socket_file_of_its_own_is_bound_again(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, "--speculative-algorithm", "none").wait_ready()
     try:

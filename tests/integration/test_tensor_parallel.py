@@ -282,7 +282,6 @@ print(json.dumps([o.token_ids for o in engine.generate({prompts}, params)]))
 """
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_a_script_without_a_main_guard_runs_a_parallel_engine(
         tmp_path: Path, single_rank: dict[str, Any]) -> None:
     script = tmp_path / "generate.py"

@@ -119,7 +119,6 @@ def test_start_up_names_a_node_that_did_not_join(port: int) -> None:
         mismatched.wait()
 
 
-@pytest.mark.slow  # 5-15 s: in the second tier, to keep the README's command under 10 min
 def test_an_agent_whose_node_zero_never_comes_up_exits(port: int) -> None:
     worker = start_worker(port, "--join-timeout-s", "2")
     try:
