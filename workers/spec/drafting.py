@@ -39,7 +39,7 @@ from specd.workers.spec.draft_graphs import DraftInputs, DraftOutputs
 from specd.workers.spec.draft_head import Eagle3Head
 from specd.workers.spec.futures import DraftFutures
 from specd.workers.spec.step import Drafted
-from specd.workers.spec.tree import DraftTree, build_tree, expand_tree, start_tree
+from specd.workers.spec.tree import build_tree, chain_tree, expand_tree, start_tree
 from specd.workers.spec.verify import block_tables, slots
 
 
@@ -233,7 +233,7 @@ def draft_loop(head: Eagle3Head, draft_kv: torch.Tensor, topk: int, num_steps: i
 def draft_chain(head: Eagle3Head, draft_kv: torch.Tensor, num_steps: int,
                 inputs: DraftInputs) -> DraftOutputs:
     """`draft_tree` for top-k 1 keeping all `num_steps` drafts, without its bookkeeping
-    (about 250 torch ops a step at 5 levels, more than the head's own): each level's one
+    (about 290 torch ops a step at 5 levels, more than the head's own): each level's one
     node extends the last, so it sees the prefix and every earlier level, the tree is the
     chain itself and its masks are constants."""
     last_out, roots = inputs.last_out, inputs.roots
@@ -252,12 +252,7 @@ def draft_chain(head: Eagle3Head, draft_kv: torch.Tensor, num_steps: int,
         logp, ids = _top(head, 1, hidden[:, 0])
         nan_rows = nan_rows | logp[:, 0].isnan()
         drafts.append(ids)
-    nodes = torch.arange(num_steps + 1, device=device).expand(batch, -1)
-    tree = DraftTree(
-        token_ids=torch.cat([inputs.root_ids.long()[:, None], *drafts], dim=1),
-        parents=nodes - 1, depths=nodes.clone(),
-        tree_mask=(torch.ones_like(nodes) << (nodes + 1)) - 1)  # bits 0..i: the path to i
-    return tree, nan_rows
+    return chain_tree(inputs.root_ids, torch.cat(drafts, dim=1)), nan_rows
 
 
 def draft_tree(head: Eagle3Head, draft_kv: torch.Tensor, topk: int, num_steps: int,

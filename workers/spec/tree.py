@@ -216,10 +216,10 @@ def chain_tree(root_ids: torch.Tensor, draft_ids: torch.Tensor) -> DraftTree:
     batch, num = draft_ids.shape
     device = draft_ids.device
     idx = torch.arange(num + 1, device=device).expand(batch, -1)
-    parents = idx - 1
     return DraftTree(
         token_ids=torch.cat([root_ids.long()[:, None], draft_ids.long()], dim=1),
-        parents=parents, depths=idx.clone(), tree_mask=tree_mask_from_parents(parents))
+        parents=idx - 1, depths=idx.clone(),
+        tree_mask=(torch.ones_like(idx) << (idx + 1)) - 1)  # node i sees nodes 0..i
 
 
 def tree_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
