@@ -85,6 +85,9 @@ ENGINE_HELP = {
                    "torch.compile (inductor): "
                    "faster small batches; the warm-up compiles each kind at batch size 1 "
                    "and above (minutes on two cores; inductor caches the code on disk).",
+    "cpu_compile_background": "with --cpu-compile: compile on a thread while the eager path "
+                              "serves (ready in seconds; each step kind runs compiled once "
+                              "it is; fallback cpu_compile_pending until all are).",
     "tensor_parallel_size": "split the model over N ranks, one process and device each "
                             "(gloo on cpu, NCCL on cuda; 1: in-process).",
     "expert_parallel": "with --tensor-parallel-size > 1, place whole routed experts on "

@@ -80,6 +80,7 @@ class Server:
     model_id: str = ""
     started_s: float = 0.0
     ready_s: float = 0.0
+    compiled_s: float = 0.0  # specd: start to no compile pending (`_wait_compiled`)
 
     @property
     def base_url(self) -> str:
@@ -110,12 +111,28 @@ class Server:
                     if response.status == 200:
                         self.model_id = (await response.json())["data"][0]["id"]
                         self.ready_s = time.monotonic() - self.started_s
+                        await self._wait_compiled(session, deadline)
                         return
             except aiohttp.ClientError:
                 pass  # not listening yet
             await asyncio.sleep(1.0)
         raise TimeoutError(f"{self.name} not serving after {READY_TIMEOUT_S:.0f}s; log "
                            f"{self.log_path}")
+
+    async def _wait_compiled(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        """specd with `--cpu-compile-background` serves eagerly while it compiles, with the
+        fallback `cpu_compile_pending` on its /metrics: the rounds measure the compiled
+        steps, as vLLM's do (its /health answers once it has compiled), so wait for it to
+        go; `compiled_s` is when it went (start-up to the first answer stays `ready_s`)."""
+        if self.name != "specd":
+            return
+        while time.monotonic() < deadline:
+            async with session.get(f"{self.base_url}/metrics") as response:
+                if 'name="cpu_compile_pending"' not in await response.text():
+                    self.compiled_s = time.monotonic() - self.started_s
+                    return
+            await asyncio.sleep(1.0)
+        raise TimeoutError(f"{self.name} still compiling after {READY_TIMEOUT_S:.0f}s")
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 30 s."""
@@ -332,7 +349,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{server.name} serving {server.model_id} after {server.ready_s:.0f}s "
                       f"({server.log_path})", flush=True)
                 result["servers"][server.name] = {"command": server.command, "env": server.env,
-                                                  "ready_s": server.ready_s}
+                                                  "ready_s": server.ready_s,
+                                                  "compiled_s": server.compiled_s}
             for config in configs:  # warm-up: a short request each
                 await one_request(session, servers[config.server], config, prompts[0], 8)
             for conc in args.concurrency:

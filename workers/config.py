@@ -77,6 +77,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Compile decode and verify steps on the CPU (torch.compile, inductor): cpu_decode.py.
     cpu_compile: bool = False
+    # With cpu_compile: compile on a thread while the eager path serves, instead of in the
+    # warm-up (cpu_compile_thread.py; tensor parallel size 1 only).
+    cpu_compile_background: bool = False
     # Ranks the model is split over (workers/parallel/): 1 runs it in this process; N > 1
     # starts N - 1 worker processes, one per device (gloo on the CPU, NCCL on CUDA); with
     # nnodes > 1, N / nnodes of them on each node.
@@ -139,6 +142,12 @@ class EngineConfig:
                 f"spec_num_draft_tokens must be in [1, 64], got {self.spec_num_draft_tokens}")
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile applies to device cpu only, got {self.device!r}")
+        if self.cpu_compile_background and not self.cpu_compile:
+            raise ValueError("cpu_compile_background needs cpu_compile")
+        if self.cpu_compile_background and self.tensor_parallel_size > 1:
+            raise ValueError("cpu_compile_background needs tensor_parallel_size 1: a compiled "
+                             "step holds the ranks' all-reduces, which a call on the compile "
+                             "thread would run out of step order")
         if self.cpu_compile and self.cuda_graphs:
             raise ValueError("cpu_compile and cuda_graphs (the CPU stand-in) are alternatives "
                              "on the CPU; turn one off")

@@ -21,7 +21,8 @@ import torch
 from specd.workers.config import EngineConfig
 from specd.workers.engine.core import EngineCore
 from specd.workers.runner.cpu_backend import CpuBackend
-from specd.workers.runner.cpu_decode import _new_rows_mask, attend_history_and_new
+from specd.workers.runner.cpu_compile_thread import BackgroundCompiles
+from specd.workers.runner.cpu_decode import KINDS, _new_rows_mask, attend_history_and_new
 from specd.workers.runner.cpu_draft import CompiledDraftLoop
 from tests.integration.scenario import assert_same, run
 
@@ -87,6 +88,37 @@ def test_compiled_verify_and_draft_loop_under_overlapped_speculation(
     assert core.spec is not None and core.spec.verifier.num_lagged_verifies > 0
     assert _compiled_draft_loop(core).num_calls > 0
     assert core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.compile  # minutes of compiling on two cores
+def test_compiling_in_the_background_serves_eagerly_then_compiled(
+        eager: dict[str, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+    pending_after_warmup: list[str] = []
+
+    def warm_then_wait(core: EngineCore) -> None:
+        # The warm-up runs every kind eagerly and hands each to the compile thread; the
+        # engine is ready at once, with the fallback naming what is still compiling.
+        core.warmup()
+        backend = _cpu_backend(core)
+        assert backend.compiled_decode is not None
+        assert backend.compiled_decode.num_steps == 0  # nothing ran compiled yet
+        pending_after_warmup.extend(f.name for f in backend.fallbacks())
+        assert backend.background is not None and backend.background.wait(1800)
+        assert backend.fallbacks() == []
+
+    with caplog.at_level(logging.INFO, logger="specd.cpu_compile"):
+        got, core = run(False, cpu_compile=True, cpu_compile_background=True,
+                        spec_mode="auto", spec_disable_batch_threshold=2,
+                        spec_auto_measure=False, _after_build=warm_then_wait)
+    assert pending_after_warmup == ["cpu_compile_pending"]
+    assert_same(got, eager)
+    compiled = _cpu_backend(core).compiled_decode
+    assert compiled is not None and compiled.error is None
+    assert compiled.num_steps > 0 and compiled.num_verify_steps > 0
+    assert _compiled_draft_loop(core).num_calls > 0
+    kinds = sorted(vars(r)["kind"] for r in caplog.records
+                   if getattr(r, "event", "") == "cpu_compiled")
+    assert kinds == sorted([*KINDS, "draft loop, batch 1", "draft loop, batch 2+"])
 
 
 def test_a_failed_compilation_is_logged_and_decode_runs_eagerly(
@@ -180,3 +212,41 @@ def test_cpu_compile_is_refused_on_cuda_and_with_the_graph_stand_in() -> None:
         EngineConfig(device="cuda", cpu_compile=True)
     with pytest.raises(ValueError, match="cpu_compile"):
         EngineConfig(cpu_compile=True, cuda_graphs=True)
+
+
+def test_background_compilation_needs_cpu_compile_and_one_rank() -> None:
+    with pytest.raises(ValueError, match="needs cpu_compile"):
+        EngineConfig(cpu_compile_background=True)
+    with pytest.raises(ValueError, match="all-reduces"):
+        EngineConfig(cpu_compile=True, cpu_compile_background=True, tensor_parallel_size=2)
+
+
+def test_a_failed_background_compilation_is_logged_once_and_drafting_stays_eager(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from specd.workers.spec.draft_graphs import DraftInputs
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("C++ compile error: no compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
+    eager_outputs: Any = object()
+    eager_calls: list[DraftInputs] = []
+
+    def eager_loop(inputs: DraftInputs) -> Any:
+        eager_calls.append(inputs)
+        return eager_outputs
+
+    background = BackgroundCompiles()
+    compiled = CompiledDraftLoop(eager_loop, background)
+    inputs = DraftInputs(last_out=torch.zeros(1, 8), prefix_slots=torch.zeros(1, 4).long(),
+                         prefix_ok=torch.ones(1, 4, dtype=torch.bool),
+                         roots=torch.zeros(1).long(), root_ids=torch.zeros(1).long())
+    with caplog.at_level(logging.ERROR, logger="specd.cpu_draft"):
+        assert compiled.run(inputs) is eager_outputs  # eager while it compiles
+        assert background.pending() == ["draft loop, batch 1"]
+        assert background.wait(30)
+        assert compiled.run(inputs) is eager_outputs  # and after it failed
+    assert len(eager_calls) == 2 and compiled.num_calls == 0
+    records = [r for r in caplog.records if getattr(r, "event", "") == "cpu_compile_failed"]
+    assert len(records) == 1 and records[0].exc_info is not None
+    assert compiled.status().startswith("draft loop eager (compilation failed")

@@ -9,7 +9,10 @@
   a plain step that mixes one-token rows with a prefill is split into the compiled decode
   and an eager forward of the rest, merged back into the batch's row layout; the draft
   loop compiled too (cpu_draft.py). A compilation that fails is logged once and the steps
-  run eagerly (status says why).
+  run eagerly (status says why). With `--cpu-compile-background` each kind compiles on a
+  thread of its own from a copy of its first step's inputs (cpu_compile_thread.py) while
+  the eager path serves; until every submitted kind is compiled the fallback
+  `cpu_compile_pending` names those still compiling.
 
 Under tensor parallelism every rank holds this backend over its shard: rank 0 plans each
 step's kept K/V, and the other ranks apply its plans to their own copies (`adopt`); the
@@ -48,6 +51,7 @@ from specd.workers.runner.backend import (
     StepForward,
     follower_inputs,
 )
+from specd.workers.runner.cpu_compile_thread import BackgroundCompiles
 from specd.workers.runner.cpu_decode import CompiledDecode
 from specd.workers.runner.cpu_draft import CompiledDraftLoop
 from specd.workers.runner.decode_stage import DecodeStage
@@ -63,8 +67,11 @@ class CpuBackend(Backend):
 
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, compile: bool,
-                 verify_len: int | None, peers: Peers = NO_PEERS) -> None:
+                 verify_len: int | None, peers: Peers = NO_PEERS,
+                 compile_in_background: bool = False) -> None:
         super().__init__(model, capture_layers, kv_caches, block_size, peers)
+        # The compile thread (`--cpu-compile-background`), None when kinds compile in place.
+        self.background = BackgroundCompiles() if compile and compile_in_background else None
         # With compile each packed linear also keeps its plain weight for the compiled steps.
         self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile)
         self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
@@ -74,7 +81,8 @@ class CpuBackend(Backend):
         # The dense-K/V paths: for the dense decoder only (module docstring).
         dense = model if isinstance(model, DecoderForCausalLM) else None
         self.stage = DecodeStage(block_size) if dense is not None else None
-        self.compiled_decode = (CompiledDecode(dense, self.capture_layers, verify_len)
+        self.compiled_decode = (CompiledDecode(dense, self.capture_layers, verify_len,
+                                               self.background)
                                 if compile and dense is not None else None)
         self.no_compiled_decode = ""  # why --cpu-compile compiles no decode, for status
         if compile and dense is None:
@@ -147,16 +155,23 @@ class CpuBackend(Backend):
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
-        return CompiledDraftLoop(loop) if self.compiles else EagerDraftLoop(loop)
+        return (CompiledDraftLoop(loop, self.background) if self.compiles
+                else EagerDraftLoop(loop))
 
     def target_fallbacks(self) -> list[Fallback]:
         """--cpu-compile's decode that is unavailable (a latent-cache model) or whose
         compilation failed: decode and verify run eagerly."""
+        fallbacks = []
         compiled = self.compiled_decode
         reason = self.no_compiled_decode or (compiled.error if compiled is not None else None)
-        if not reason:
-            return []
-        return [Fallback("cpu_compile_decode", f"decode and verify run eagerly: {reason}")]
+        if reason:
+            fallbacks.append(Fallback("cpu_compile_decode",
+                                      f"decode and verify run eagerly: {reason}"))
+        pending = self.background.pending() if self.background is not None else []
+        if pending:
+            fallbacks.append(Fallback("cpu_compile_pending", "compiling in the background, "
+                                      f"eager until compiled: {'; '.join(pending)}"))
+        return fallbacks
 
     def linears_status(self) -> str:
         if self.num_packed_linears:

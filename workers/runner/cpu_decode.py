@@ -24,6 +24,10 @@ warm-up).
 
 A compilation that fails is not swallowed: one ERROR record with the traceback, then every
 step runs eagerly and `status` says why.
+
+With a `BackgroundCompiles` (`--cpu-compile-background`, cpu_compile_thread.py) a kind's
+first step runs eagerly and hands a copy of its inputs to the compile thread; its steps run
+compiled once that kind is compiled (the four kinds: `KINDS`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,17 @@ import torch
 from specd.logs import one_line
 from specd.workers.models.decoder import DecoderForCausalLM
 from specd.workers.runner.attention import AttentionMetadata, store_kv
+from specd.workers.runner.cpu_compile_thread import BackgroundCompiles
 
 log = logging.getLogger("specd.cpu_decode")
+
+# The compiled step kinds: batch 1 compiles apart from batches of 2 and more (dynamic).
+KINDS = ("decode, batch 1", "decode, batch 2+", "verify, batch 1", "verify, batch 2+")
+
+
+def step_kind(num_seqs: int, num_query_rows: int) -> str:
+    """The compiled kind of a step of `num_seqs` sequences of `num_query_rows` rows each."""
+    return KINDS[(0 if num_query_rows == 1 else 2) + (num_seqs > 1)]
 
 
 def attend_history_and_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -113,8 +126,10 @@ class CompiledDecode:
     """The compiled plain-decode step of `model` (CPU), driven by the runner's DecodeStage."""
 
     def __init__(self, model: DecoderForCausalLM, capture_layers: Sequence[int],
-                 verify_len: int | None = None) -> None:
+                 verify_len: int | None = None,
+                 background: BackgroundCompiles | None = None) -> None:
         self.model = model
+        self.background = background  # None: a kind compiles at its first call, in place
         # Only verify steps of this many rows per sequence are compiled: drafts cut short
         # (near max_tokens) would each compile a new T in the middle of serving.
         self.verify_len = verify_len
@@ -156,9 +171,15 @@ class CompiledDecode:
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(hidden, aux) of the step, its K/V stored in the cache (and the kept copy, for
         decode); None if compilation failed (logged; the caller runs the step eagerly, and
-        every later one)."""
+        every later one) or, in the background, this kind is not compiled yet (the caller
+        runs this step eagerly)."""
         group = meta.groups[0]
         g, t = group.num_seqs, group.num_query_rows
+        kind = step_kind(g, t)
+        background = self.background
+        if (background is not None and background.is_submitted(kind)
+                and not background.is_ready(kind)):
+            return None  # compiling: eager until it is done
         plan = group.stage_plan
         ids, pos = input_ids.view(g, t), positions.view(g, t)
         if plan is not None:
@@ -175,6 +196,9 @@ class CompiledDecode:
             hist_len = meta.seq_lens.long() - t
             new_ok = _new_rows_mask(meta.tree_mask, g, t)
         hist_ok = torch.arange(hist[0].shape[2])[None, :] < hist_len[:, None]  # [G, W]
+        if background is not None and not background.is_ready(kind):
+            self._submit(background, kind, ids, pos, hist, hist_ok, new_ok)
+            return None
         _mark_dynamic(ids, pos, hist, hist_ok, new_ok)
         try:
             # Freezing is read when a call compiles.
@@ -200,6 +224,25 @@ class CompiledDecode:
         else:
             self.num_verify_steps += 1
         return hidden, aux
+
+    def _submit(self, background: BackgroundCompiles, kind: str, ids: torch.Tensor,
+                pos: torch.Tensor, hist: list[torch.Tensor], hist_ok: torch.Tensor,
+                new_ok: torch.Tensor) -> None:
+        """Compile `kind` on the compile thread, on copies of this step's inputs (the kept
+        K/V copy and the cache change under it; `_decode` writes nothing)."""
+        args = (ids.clone(), pos.clone(), [h.clone() for h in hist], hist_ok.clone(),
+                new_ok.clone())
+
+        def compile_kind() -> None:
+            _mark_dynamic(*args)
+            with torch._inductor.config.patch(freezing=self.freeze):
+                self._compiled(*args)
+
+        def failed(exc: Exception) -> None:
+            self.error = report_compile_failure(log, "compiled CPU decode failed; steps run "
+                                                "eagerly", exc)
+
+        background.submit(kind, compile_kind, failed)
 
     def status(self) -> str:
         """What is compiled (a fact of start-up: the daemon reports it once, at readiness;

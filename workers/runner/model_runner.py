@@ -234,7 +234,8 @@ class ModelRunner:
                 peers=self.peers)
         if self.device.type == "cpu":
             return CpuBackend(*args, compile=config.cpu_compile, verify_len=verify_len,
-                              peers=self.peers)
+                              peers=self.peers,
+                              compile_in_background=config.cpu_compile_background)
         return EagerBackend(*args, peers=self.peers)
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
