@@ -29,7 +29,8 @@ that warm-up stays cheap (it runs at every start; docs/operations.md has its cos
 3. **chunked** prefill: a prompt one token longer than `max_num_batched_tokens`, when it
    fits the model and is cheap (on CUDA, or a budget of at most CPU_CHUNKED_MAX_TOKENS).
 4. **compiled** (`--cpu-compile`): decode and verify at batch 1 and 2 in each mode, so
-   that every compiled step kind compiles now.
+   that every compiled step kind compiles now (with `--cpu-compile-background` these steps
+   run eagerly and hand each kind to the compile thread: runner/cpu_compile_thread.py).
 5. **structured** (when the model has a tokenizer: structured output is on; with a draft
    model speculation forced on, so the masks of plain samples and of verified chains or
    trees are built and applied): a JSON schema greedily with log-probabilities, the same

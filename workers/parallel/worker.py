@@ -38,6 +38,7 @@ from specd.workers.parallel.context import (
 )
 from specd.workers.parallel.rank_spec import RankSpec, StatusPipe
 from specd.workers.parallel.ring import RingReader
+from specd.workers.process.host_memory import keep_freed_host_memory
 
 log = logging.getLogger("specd.parallel")
 
@@ -45,6 +46,7 @@ def start_rank(spec: RankSpec, status: StatusPipe) -> RankServer:
     """Join the group (`joining` first) and load this rank's shard; the server of its
     calls. Raises what failed (rank_main.py reports it)."""
     setup_logging(inherited_log_format(), spec.log_level)  # rank 0's console format
+    keep_freed_host_memory()  # as the scheduler does: a rank's steps allocate alike
     torch.set_num_threads(spec.num_threads)
     config = spec.config
     world = config.tensor_parallel_size

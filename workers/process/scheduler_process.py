@@ -42,6 +42,7 @@ from specd.ipc import messages as m
 from specd.ipc.zmq_link import LinkPaths
 from specd.logs import setup_logging
 from specd.workers.config import EngineConfig
+from specd.workers.process.host_memory import keep_freed_host_memory
 from specd.workers.process.io_threads import LinkFailure, LinkIO
 from specd.workers.process.parent import die_with_parent
 from specd.workers.process.stage_watch import StageWatch
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
     die_with_parent(args.parent_pid)
+    keep_freed_host_memory()  # the engine's steps reuse their large temporaries
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     paths = LinkPaths(args.link_dir)
