@@ -188,12 +188,10 @@ def test_packed_bf16_linears_compute_what_nn_linear_computes(model_dir: Path) ->
     for shape in ((1, 48), (7, 48), (2, 3, 48)):
         x = torch.randn(*shape, dtype=torch.bfloat16)
         torch.testing.assert_close(packed(x), linear(x), atol=0, rtol=0)
-    # A bf16 runner on the CPU packs every dense linear; a float32 one keeps nn.Linear.
-    for dtype, expected in (("bfloat16", 2 * 4 + 1), ("float32", 0)):
-        backend = make_runner(model_dir, dtype=dtype).backend
-        assert isinstance(backend, CpuBackend) and backend.num_packed_linears == expected
-    assert make_runner(model_dir, dtype="bfloat16").backend.linears_status() == (
-        "packed for oneDNN (9 bfloat16 linears)")
+    # A bf16 runner on the CPU packs every dense linear.
+    backend = make_runner(model_dir, dtype="bfloat16").backend
+    assert isinstance(backend, CpuBackend) and backend.num_packed_linears == 2 * 4 + 1
+    assert backend.linears_status() == "packed for oneDNN (9 bfloat16 linears)"
 
 
 # A CPU without oneDNN's bf16 GEMM, on any host: oneDNN reads this cap as the CPU's ISA.
@@ -226,6 +224,23 @@ def test_a_cpu_without_onednn_bf16_keeps_nn_linear_and_says_why(model_dir: Path)
                       "avx512vl and avx512dq, which this CPU lacks)")
 
 
-def test_a_float32_runner_has_nothing_to_pack(model_dir: Path) -> None:
-    assert make_runner(model_dir).backend.linears_status() == (
-        "nn.Linear (nothing to pack: not bfloat16)")
+def test_packed_float32_linears_compute_what_nn_linear_computes_up_to_rounding(
+        model_dir: Path) -> None:
+    from specd.workers.models.layers import PackedLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40, bias=True)
+    packed = PackedLinear(linear)
+    for shape in ((1, 48), (7, 48), (2, 3, 48)):
+        x = torch.randn(*shape)
+        # oneDNN's kernel against MKL's: the same products, summed in another order.
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    # A float32 runner packs every dense linear too; with --cpu-compile it keeps nn.Linear,
+    # whose plain weights the compiled steps read (the eager steps then compute alike).
+    backend = make_runner(model_dir).backend
+    assert isinstance(backend, CpuBackend) and backend.num_packed_linears == 2 * 4 + 1
+    assert backend.linears_status() == "packed for oneDNN (9 float32 linears)"
+    compiled = make_runner(model_dir, cpu_compile=True).backend
+    assert isinstance(compiled, CpuBackend) and compiled.num_packed_linears == 0
+    assert compiled.linears_status() == (
+        "nn.Linear (float32 with --cpu-compile: the compiled steps read them)")

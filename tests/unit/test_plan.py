@@ -25,7 +25,7 @@ import specd
 from specd.daemon.ctl.cli import cli
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES
 from specd.workers.models.config import ModelConfig
-from specd.workers.models.layers import dense_linear
+from specd.workers.models.layers import PackedLinear, dense_linear
 from specd.workers.models.linear_factory import linear_factory
 from specd.workers.models.loader import load_model
 from specd.workers.models.quantization import linear_factory_for
@@ -81,19 +81,29 @@ def kimi_dir(tmp_path: Path) -> Path:
 
 
 def _storage_bytes(*modules: nn.Module, exclude: set[int] | None = None) -> int:
-    """Bytes of every parameter and buffer, each storage once (a shared one counts once)."""
+    """Bytes of every parameter and buffer, each storage once (a shared one counts once); a
+    weight the CPU backend packed for oneDNN (an opaque tensor, no storage) counts what was
+    loaded into it: its elements."""
     seen = set(exclude or ())
     total = 0
     for module in modules:
         for t in [*module.parameters(), *module.buffers()]:
-            if t.data_ptr() not in seen:
+            if t.is_mkldnn:
+                total += t.numel() * t.element_size()
+            elif t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.untyped_storage().nbytes()
     return total
 
 
 def _ptrs(module: nn.Module) -> set[int]:
-    return {t.data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    return {t.data_ptr() for t in [*module.parameters(), *module.buffers()] if not t.is_mkldnn}
+
+
+def _weight_bytes(linear: nn.Module) -> int:
+    """A dense linear's weight bytes, packed (PackedLinear) or not."""
+    weight = linear.packed_weight if isinstance(linear, PackedLinear) else linear.weight
+    return weight.numel() * weight.element_size()
 
 
 def _plan(fixture: str, **options: Any) -> Plan:
@@ -124,7 +134,7 @@ def test_plan_weights_and_kv_equal_what_the_engine_loads_and_allocates(model: st
     assert plan.weight_bytes == _storage_bytes(target) + head_bytes
     assert _part(plan, "draft head") == head_bytes
     assert _part(plan, "embedding") == target.model.embed_tokens.weight.nbytes
-    assert _part(plan, "lm_head") == target.lm_head.weight.nbytes
+    assert _part(plan, "lm_head") == _weight_bytes(target.lm_head)
     tokens = runner.num_kv_blocks * engine.config.block_size
     assert plan.kv_bytes_per_token * tokens == sum(t.nbytes for t in runner.kv_caches)
     assert plan.draft_kv_bytes_per_token * tokens == worker.draft_kv.nbytes
@@ -172,7 +182,7 @@ def test_int4_plan_equals_the_int4_linears_the_loader_builds(int4_fixture: Path)
     assert plan.weight_bytes == _storage_bytes(target)
     assert [p.kind for p in plan.parts if "INT4" in p.kind] == ["attention (INT4)",
                                                                  "MLP (INT4 + bfloat16)"]
-    assert _part(plan, "lm_head") == target.lm_head.weight.nbytes  # ignored: stays bf16
+    assert _part(plan, "lm_head") == _weight_bytes(target.lm_head)  # ignored: stays bf16
 
 
 @pytest.fixture(scope="module")

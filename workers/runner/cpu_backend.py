@@ -2,7 +2,11 @@
 
 * Packed linears (layers.PackedLinear): bfloat16 linears get oneDNN's weight layout once,
   at construction, instead of per call, where the CPU runs oneDNN's bf16 GEMM (AVX-512 or
-  avx_ne_convert); elsewhere they stay `nn.Linear`, and `linears_status` says why.
+  avx_ne_convert); elsewhere they stay `nn.Linear`, and `linears_status` says why. float32
+  linears are packed too (oneDNN's kernel against MKL's sgemm), except with `--cpu-compile`,
+  whose compiled steps read the plain weights: the eager steps beside them (a fallback, the
+  background compilation's first steps) then compute the same GEMMs, so greedy output does
+  not depend on which path a step took.
 * Kept decode K/V (decode_stage.py): plain decode attends over a copy of the decode
   group's K/V kept from one step to the next, so a step does not re-gather every history.
 * With `--cpu-compile`: decode and verify steps as one compiled function (cpu_decode.py);
@@ -72,8 +76,10 @@ class CpuBackend(Backend):
         super().__init__(model, capture_layers, kv_caches, block_size, peers)
         # The compile thread (`--cpu-compile-background`), None when kinds compile in place.
         self.background = BackgroundCompiles() if compile and compile_in_background else None
+        self.model_dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         # With compile each packed linear also keeps its plain weight for the compiled steps.
-        self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile)
+        self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile,
+                                                       float32=not compile)
         self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
         if self.unpacked_reason:
             log.warning("bfloat16 linears not packed for oneDNN: %s", self.unpacked_reason,
@@ -175,8 +181,13 @@ class CpuBackend(Backend):
 
     def linears_status(self) -> str:
         if self.num_packed_linears:
-            return f"packed for oneDNN ({self.num_packed_linears} bfloat16 linears)"
-        return f"nn.Linear ({self.unpacked_reason or 'nothing to pack: not bfloat16'})"
+            return (f"packed for oneDNN ({self.num_packed_linears} "
+                    f"{self.model_dtype_name} linears)")
+        if self.unpacked_reason:
+            return f"nn.Linear ({self.unpacked_reason})"
+        if self.compiles:
+            return "nn.Linear (float32 with --cpu-compile: the compiled steps read them)"
+        return "nn.Linear (nothing to pack)"
 
     def status(self) -> str:
         if self.no_compiled_decode:
@@ -253,7 +264,8 @@ class CpuBackend(Backend):
 def _unpacked_reason(model: torch.nn.Module, num_packed: int) -> str:
     """Why a model with bfloat16 linears has none packed ("" when packed, or when it has no
     bfloat16 linear to pack)."""
-    if num_packed or not any(can_pack(m) for m in model.modules()):
+    if num_packed or not any(can_pack(m) and m.weight.dtype == torch.bfloat16
+                             for m in model.modules()):
         return ""
     return bf16_packing_unsupported() or ""
 
