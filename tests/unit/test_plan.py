@@ -102,7 +102,11 @@ def _ptrs(module: nn.Module) -> set[int]:
 
 def _weight_bytes(linear: nn.Module) -> int:
     """A dense linear's weight bytes, packed (PackedLinear) or not."""
-    weight = linear.packed_weight if isinstance(linear, PackedLinear) else linear.weight
+    if isinstance(linear, PackedLinear):
+        weight = linear.packed_weight
+    else:
+        assert isinstance(linear, nn.Linear)
+        weight = linear.weight
     return weight.numel() * weight.element_size()
 
 

@@ -88,6 +88,7 @@ def build_worker(config: EngineConfig, model_config: ModelConfig,
     # The head shares the target's token embedding unless its checkpoint has its own.
     head = load_draft_head(path, runner.draft_embedding_weight(), dtype=runner.dtype,
                            device=runner.device)
+    runner.backend.prepare_draft_head(head)
     controller = SpecController(config.spec_mode, config.spec_disable_batch_threshold,
                                 measure=config.spec_auto_measure)
     return SpeculativeWorker(config, runner, head, controller, structured)

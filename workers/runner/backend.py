@@ -198,6 +198,12 @@ class Backend(ABC):
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         """This backend's runner of the draft loop (see `draft_loop_runner`)."""
 
+    def prepare_draft_head(self, head: torch.nn.Module) -> None:
+        """Lay the draft head's weights out as this backend runs the target's (the CPU
+        backend packs its linears); by default nothing. Called once, before the head's first
+        forward."""
+        del head
+
     def status(self) -> str:
         """The target's part of `specctl status` ("off" when nothing is captured or
         compiled)."""

@@ -98,6 +98,7 @@ class CpuBackend(Backend):
                       "draft loop is compiled", extra={"event": "cpu_compile_unavailable",
                                                        "reason": self.no_compiled_decode})
         self.compiles = compile
+        self.num_packed_head_linears = 0  # the draft head's (prepare_draft_head)
         self.num_split_steps = 0  # plain steps run as compiled decode + the rest (figures)
 
     def forward_step(self, batch: ScheduledBatch, input_ids: InputIds) -> StepForward:
@@ -158,6 +159,12 @@ class CpuBackend(Backend):
     def _forget(self) -> None:
         if self.stage is not None:
             self.stage.invalidate()
+
+    def prepare_draft_head(self, head: torch.nn.Module) -> None:
+        """The head's linears packed as the target's (`pack_linears_for_cpu`): its five
+        draft levels a step are small GEMMs, where the packed kernel pays most."""
+        self.num_packed_head_linears = pack_linears_for_cpu(
+            head, keep_plain=self.compiles, float32=not self.compiles)
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
