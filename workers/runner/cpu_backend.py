@@ -76,10 +76,9 @@ class CpuBackend(Backend):
         super().__init__(model, capture_layers, kv_caches, block_size, peers)
         # The compile thread (`--cpu-compile-background`), None when kinds compile in place.
         self.background = BackgroundCompiles() if compile and compile_in_background else None
+        self.compiles = compile
         self.model_dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-        # With compile each packed linear also keeps its plain weight for the compiled steps.
-        self.num_packed_linears = pack_linears_for_cpu(model, keep_plain=compile,
-                                                       float32=not compile)
+        self.num_packed_linears = self._pack_linears(model)
         self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
         if self.unpacked_reason:
             log.warning("bfloat16 linears not packed for oneDNN: %s", self.unpacked_reason,
@@ -97,8 +96,6 @@ class CpuBackend(Backend):
             log.error("compiled CPU decode unavailable; decode and verify run eagerly, the "
                       "draft loop is compiled", extra={"event": "cpu_compile_unavailable",
                                                        "reason": self.no_compiled_decode})
-        self.compiles = compile
-        self.num_packed_head_linears = 0  # the draft head's (prepare_draft_head)
         self.num_split_steps = 0  # plain steps run as compiled decode + the rest (figures)
 
     def forward_step(self, batch: ScheduledBatch, input_ids: InputIds) -> StepForward:
@@ -163,8 +160,13 @@ class CpuBackend(Backend):
     def prepare_draft_head(self, head: torch.nn.Module) -> None:
         """The head's linears packed as the target's (`pack_linears_for_cpu`): its five
         draft levels a step are small GEMMs, where the packed kernel pays most."""
-        self.num_packed_head_linears = pack_linears_for_cpu(
-            head, keep_plain=self.compiles, float32=not self.compiles)
+        self._pack_linears(head)
+
+    def _pack_linears(self, module: torch.nn.Module) -> int:
+        """`module`'s linears packed (module docstring): with compile each packed linear
+        also keeps its plain weight for the compiled steps, and float32 ones stay plain."""
+        return pack_linears_for_cpu(module, keep_plain=self.compiles,
+                                    float32=not self.compiles)
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
