@@ -88,6 +88,9 @@ ENGINE_HELP = {
     "cpu_compile_background": "with --cpu-compile: compile on a thread while the eager path "
                               "serves (ready in seconds; each step kind runs compiled once "
                               "it is; fallback cpu_compile_pending until all are).",
+    "cpu_linear": "on cpu, the float32 linears' kernel: auto (measure mkl, onednn and "
+                  "transposed on the model's weights at load, take the fastest), or one of "
+                  "them (onednn not with --cpu-compile).",
     "tensor_parallel_size": "split the model over N ranks, one process and device each "
                             "(gloo on cpu, NCCL on cuda; 1: in-process).",
     "expert_parallel": "with --tensor-parallel-size > 1, place whole routed experts on "

@@ -19,6 +19,8 @@ from specd.workers.named_models import (  # noqa: F401 - the fixtures' paths, fo
 )
 
 DTYPES = ("bfloat16", "float16", "float32")
+# The kernels a float32 linear can run on, on the CPU (workers/runner/cpu_linears.py).
+CPU_LINEAR_KERNELS = ("mkl", "onednn", "transposed")
 # The KV budget on the CPU when kv_cache_memory_bytes is not given (kv_cache.kv_budget).
 CPU_KV_CACHE_BYTES = 256 * 2**20
 
@@ -80,6 +82,10 @@ class EngineConfig:
     # With cpu_compile: compile on a thread while the eager path serves, instead of in the
     # warm-up (cpu_compile_thread.py; tensor parallel size 1 only).
     cpu_compile_background: bool = False
+    # The kernel of the float32 linears on the CPU: "auto" measures the candidates on the
+    # model's own weights at load and takes the fastest; or "mkl", "onednn", "transposed"
+    # (workers/runner/cpu_linears.py).
+    cpu_linear: str = "auto"
     # Ranks the model is split over (workers/parallel/): 1 runs it in this process; N > 1
     # starts N - 1 worker processes, one per device (gloo on the CPU, NCCL on CUDA); with
     # nnodes > 1, N / nnodes of them on each node.
@@ -142,6 +148,12 @@ class EngineConfig:
                 f"spec_num_draft_tokens must be in [1, 64], got {self.spec_num_draft_tokens}")
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile applies to device cpu only, got {self.device!r}")
+        if self.cpu_linear not in ("auto", *CPU_LINEAR_KERNELS):
+            raise ValueError(f"cpu_linear must be auto or one of {CPU_LINEAR_KERNELS}, "
+                             f"not {self.cpu_linear!r}")
+        if self.cpu_linear == "onednn" and self.cpu_compile:
+            raise ValueError("cpu_linear onednn cannot be compiled (cpu_compile): compiled "
+                             "steps cannot lower oneDNN's packed op")
         if self.cpu_compile_background and not self.cpu_compile:
             raise ValueError("cpu_compile_background needs cpu_compile")
         if self.cpu_compile_background and self.tensor_parallel_size > 1:

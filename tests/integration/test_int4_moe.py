@@ -28,7 +28,7 @@ from specd.workers.config import FIXTURE_MOE_DIR, EngineConfig
 from specd.workers.engine.batch import ScheduledBatch, ScheduledSequence
 from specd.workers.engine.core import EngineCore
 from specd.workers.engine.sequence import Sequence
-from specd.workers.models.layers import PackedLinear
+from specd.workers.models.layers import PackedLinear, TransposedLinear
 from specd.workers.models.moe_int4 import Int4RoutedExperts
 from specd.workers.models.quantization import Int4Linear
 from specd.workers.runner.model_runner import ModelRunner, prepare_inputs
@@ -74,8 +74,8 @@ def test_moe_recipe_writes_kimis_layout(int4_dir: Path) -> None:
     for name in ("model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj",
                  "model.layers.2.self_attn.q_b_proj", "model.layers.3.self_attn.kv_b_proj",
                  "lm_head"):
-        # Dense: nn.Linear, or on the CPU the same weight packed for oneDNN.
-        assert isinstance(modules[name], (nn.Linear, PackedLinear))
+        # Dense: nn.Linear, or on the CPU the same weight packed for oneDNN or transposed.
+        assert isinstance(modules[name], (nn.Linear, PackedLinear, TransposedLinear))
         assert not isinstance(modules[name], Int4Linear)
 
 

@@ -4,6 +4,7 @@ tables on a tiny random Llama (no scheduler)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -235,12 +236,56 @@ def test_packed_float32_linears_compute_what_nn_linear_computes_up_to_rounding(
         x = torch.randn(*shape)
         # oneDNN's kernel against MKL's: the same products, summed in another order.
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
-    # A float32 runner packs every dense linear too; with --cpu-compile it keeps nn.Linear,
-    # whose plain weights the compiled steps read (the eager steps then compute alike).
-    backend = make_runner(model_dir).backend
+    # A float32 runner told --cpu-linear onednn packs every dense linear; told mkl it keeps
+    # nn.Linear.
+    backend = make_runner(model_dir, cpu_linear="onednn").backend
     assert isinstance(backend, CpuBackend) and backend.num_packed_linears == 2 * 4 + 1
-    assert backend.linears_status() == "packed for oneDNN (9 float32 linears)"
+    assert backend.linears_status() == "float32 on onednn (requested)"
+    plain = make_runner(model_dir, cpu_linear="mkl").backend
+    assert isinstance(plain, CpuBackend) and plain.num_packed_linears == 0
+    assert plain.linears_status() == "float32 on mkl (requested)"
+
+
+def test_transposed_float32_linears_compute_what_nn_linear_computes_up_to_rounding(
+        model_dir: Path) -> None:
+    from specd.workers.models.layers import TransposedLinear
+
+    torch.manual_seed(0)
+    for bias in (True, False):
+        linear = torch.nn.Linear(48, 40, bias=bias)
+        transposed = TransposedLinear(linear)
+        # The same weight, read through its [out, in] view, for code that reads `.weight`.
+        assert torch.equal(transposed.weight, linear.weight)
+        for shape in ((1, 48), (7, 48), (2, 3, 48)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(transposed(x), linear(x), atol=1e-5, rtol=1e-5)
+    backend = make_runner(model_dir, cpu_linear="transposed").backend
+    assert isinstance(backend, CpuBackend) and backend.num_packed_linears == 2 * 4 + 1
+    assert all(not isinstance(m, torch.nn.Linear) for m in backend.model.modules())
+
+
+def test_auto_runs_float32_linears_on_the_kernel_measured_fastest(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="specd.cpu_linears"):
+        backend = make_runner(model_dir).backend
+    assert isinstance(backend, CpuBackend)
+    choice = backend.linear_choice
+    # Every candidate was timed, and the chosen one took the least time.
+    assert set(choice.ms) == {"mkl", "onednn", "transposed"}
+    assert choice.how == "auto" and choice.kernel == min(choice.ms, key=choice.ms.__getitem__)
+    assert all(ms > 0 for ms in choice.ms.values())
+    assert backend.linears_status().startswith(f"float32 on {choice.kernel} (fastest measured")
+    # The choice is one logged event, with every candidate's time.
+    [record] = [r for r in caplog.records if getattr(r, "event", "") == "cpu_linear_kernel"]
+    assert vars(record)["kernel"] == choice.kernel and set(vars(record)["ms"]) == set(choice.ms)
+    # With --cpu-compile oneDNN's packed op is no candidate (compiled steps cannot lower it).
     compiled = make_runner(model_dir, cpu_compile=True).backend
-    assert isinstance(compiled, CpuBackend) and compiled.num_packed_linears == 0
-    assert compiled.linears_status() == (
-        "nn.Linear (float32 with --cpu-compile: the compiled steps read them)")
+    assert isinstance(compiled, CpuBackend)
+    assert set(compiled.linear_choice.ms) == {"mkl", "transposed"}
+
+
+def test_a_cpu_linear_kernel_that_cannot_run_is_refused(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cpu_linear must be auto or one of"):
+        EngineConfig(cpu_linear="blas")
+    with pytest.raises(ValueError, match="cpu_linear onednn cannot be compiled"):
+        EngineConfig(cpu_linear="onednn", cpu_compile=True)

@@ -25,7 +25,7 @@ import specd
 from specd.daemon.ctl.cli import cli
 from specd.workers.config import FIXTURE_DIR, FIXTURE_MOE_DIR, FIXTURES
 from specd.workers.models.config import ModelConfig
-from specd.workers.models.layers import PackedLinear, dense_linear
+from specd.workers.models.layers import PackedLinear, TransposedLinear, dense_linear
 from specd.workers.models.linear_factory import linear_factory
 from specd.workers.models.loader import load_model
 from specd.workers.models.quantization import linear_factory_for
@@ -101,11 +101,11 @@ def _ptrs(module: nn.Module) -> set[int]:
 
 
 def _weight_bytes(linear: nn.Module) -> int:
-    """A dense linear's weight bytes, packed (PackedLinear) or not."""
+    """A dense linear's weight bytes, packed (PackedLinear), transposed or neither."""
     if isinstance(linear, PackedLinear):
         weight = linear.packed_weight
     else:
-        assert isinstance(linear, nn.Linear)
+        assert isinstance(linear, (nn.Linear, TransposedLinear))
         weight = linear.weight
     return weight.numel() * weight.element_size()
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.workers.config import CPU_LINEAR_KERNELS
 from specd.workers.models.config import RopeScaling
 from specd.workers.models.rope import yarn_parameters
 
@@ -145,7 +146,7 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():
             if self.weight is None:
                 raise ValueError("a PackedLinear without its plain weight cannot be compiled "
-                                 "(pack_linears_for_cpu(..., keep_plain=True))")
+                                 "(prepare_cpu_linears(..., keep_plain=True))")
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none",
@@ -153,22 +154,61 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False,
-                         float32: bool = True) -> int:
-    """Replace every bfloat16 `nn.Linear` of a CPU model with a `PackedLinear` where this
-    CPU can pack them (`bf16_packing_unsupported`; keep_plain: see PackedLinear), and every
-    float32 one where oneDNN is built in, unless `float32` is False; returns how many were
-    replaced."""
-    dtypes = set()
-    if bf16_packing_unsupported() is None:
-        dtypes.add(torch.bfloat16)
-    if float32 and torch.backends.mkldnn.is_available():
-        dtypes.add(torch.float32)
+class TransposedLinear(nn.Module):
+    """A float32 linear whose weight is held transposed, [in, out] contiguous, and run as
+    `x @ weight_t` (`torch.mm`, `torch.addmm` with a bias): the same products as
+    `nn.Linear`, summed by the same BLAS (sums differ by rounding, about 1e-6), with the
+    operand BLAS streams laid out row by row. On a CPU whose memory bandwidth bounds a
+    one-row GEMM this ran faster than both `nn.Linear` and `PackedLinear` (measured per
+    machine at load: workers/runner/cpu_linears.py). torch.compile lowers `mm` to the
+    same extern GEMM, so compiled and eager steps compute alike. `weight` is the
+    [out, in] view of the same storage, for code that reads a linear's weight."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = (torch.mm(rows, self.weight_t) if self.bias is None
+               else torch.addmm(self.bias, rows, self.weight_t))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def prepare_cpu_linears(model: nn.Module, float32_kernel: str = "onednn",
+                        keep_plain: bool = False) -> int:
+    """Replace the dense linears of a CPU model for the kernels that run them; returns how
+    many were replaced. bfloat16 ones become `PackedLinear` where this CPU can pack them
+    (`bf16_packing_unsupported`; keep_plain: see PackedLinear). float32 ones by
+    `float32_kernel` (workers/runner/cpu_linears.py chooses it): "onednn" `PackedLinear`
+    (where oneDNN is built in), "transposed" `TransposedLinear`, "mkl" kept `nn.Linear`."""
+    if float32_kernel not in CPU_LINEAR_KERNELS:
+        raise ValueError(f"float32_kernel must be one of {CPU_LINEAR_KERNELS}, "
+                         f"not {float32_kernel!r}")
+    pack_bf16 = bf16_packing_unsupported() is None
+    pack_fp32 = float32_kernel == "onednn" and torch.backends.mkldnn.is_available()
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if can_pack(child) and child.weight.dtype in dtypes:
-                setattr(module, name, PackedLinear(child, keep_plain))
+            if not can_pack(child):
+                continue
+            dtype = child.weight.dtype
+            replacement: nn.Module | None = None
+            if (dtype == torch.bfloat16 and pack_bf16) or (dtype == torch.float32 and pack_fp32):
+                replacement = PackedLinear(child, keep_plain)
+            elif dtype == torch.float32 and float32_kernel == "transposed":
+                replacement = TransposedLinear(child)
+            if replacement is not None:
+                setattr(module, name, replacement)
                 count += 1
     return count
 

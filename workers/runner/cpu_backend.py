@@ -3,10 +3,11 @@
 * Packed linears (layers.PackedLinear): bfloat16 linears get oneDNN's weight layout once,
   at construction, instead of per call, where the CPU runs oneDNN's bf16 GEMM (AVX-512 or
   avx_ne_convert); elsewhere they stay `nn.Linear`, and `linears_status` says why. float32
-  linears are packed too (oneDNN's kernel against MKL's sgemm), except with `--cpu-compile`,
-  whose compiled steps read the plain weights: the eager steps beside them (a fallback, the
-  background compilation's first steps) then compute the same GEMMs, so greedy output does
-  not depend on which path a step took.
+  linears run on the kernel measured fastest on this machine at load, or the one
+  `--cpu-linear` names (cpu_linears.py): MKL's sgemm, oneDNN's packed GEMM, or `mm` on a
+  transposed weight; with `--cpu-compile` not oneDNN's, which compiled steps cannot lower,
+  so that the eager steps beside them (a fallback, the background compilation's first
+  steps) compute the same GEMMs and greedy output does not depend on the path a step took.
 * Kept decode K/V (decode_stage.py): plain decode attends over a copy of the decode
   group's K/V kept from one step to the next, so a step does not re-gather every history.
 * With `--cpu-compile`: decode and verify steps as one compiled function (cpu_decode.py);
@@ -39,7 +40,7 @@ import torch
 from specd.workers.engine.batch import ScheduledBatch
 from specd.workers.engine.sequence import Sequence as Seq
 from specd.workers.models.decoder import DecoderForCausalLM
-from specd.workers.models.layers import bf16_packing_unsupported, can_pack, pack_linears_for_cpu
+from specd.workers.models.layers import bf16_packing_unsupported, can_pack, prepare_cpu_linears
 from specd.workers.models.registry import CausalLM
 from specd.workers.parallel.peers import NO_PEERS, Peers
 from specd.workers.runner.attention import AttentionMetadata
@@ -58,6 +59,7 @@ from specd.workers.runner.backend import (
 from specd.workers.runner.cpu_compile_thread import BackgroundCompiles
 from specd.workers.runner.cpu_decode import CompiledDecode
 from specd.workers.runner.cpu_draft import CompiledDraftLoop
+from specd.workers.runner.cpu_linears import choose_float32_kernel
 from specd.workers.runner.decode_stage import DecodeStage
 from specd.workers.runner.step_inputs import StepInputs, prepare_inputs
 
@@ -72,14 +74,16 @@ class CpuBackend(Backend):
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, compile: bool,
                  verify_len: int | None, peers: Peers = NO_PEERS,
-                 compile_in_background: bool = False) -> None:
+                 compile_in_background: bool = False, linear_kernel: str = "auto") -> None:
         super().__init__(model, capture_layers, kv_caches, block_size, peers)
         # The compile thread (`--cpu-compile-background`), None when kinds compile in place.
         self.background = BackgroundCompiles() if compile and compile_in_background else None
         self.compiles = compile
         self.model_dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # The float32 linears' kernel, measured here unless named (cpu_linears.py).
+        self.linear_choice = choose_float32_kernel(model, linear_kernel, compile)
         self.num_packed_linears = self._pack_linears(model)
-        self.unpacked_reason = _unpacked_reason(model, self.num_packed_linears)
+        self.unpacked_reason = _unpacked_reason(model)
         if self.unpacked_reason:
             log.warning("bfloat16 linears not packed for oneDNN: %s", self.unpacked_reason,
                         extra={"event": "cpu_linears_unpacked", "reason": self.unpacked_reason})
@@ -158,15 +162,16 @@ class CpuBackend(Backend):
             self.stage.invalidate()
 
     def prepare_draft_head(self, head: torch.nn.Module) -> None:
-        """The head's linears packed as the target's (`pack_linears_for_cpu`): its five
-        draft levels a step are small GEMMs, where the packed kernel pays most."""
+        """The head's linears on the target's kernels (`prepare_cpu_linears`): its five
+        draft levels a step are small GEMMs, where the kernel's per-call cost shows most."""
         self._pack_linears(head)
 
     def _pack_linears(self, module: torch.nn.Module) -> int:
-        """`module`'s linears packed (module docstring): with compile each packed linear
-        also keeps its plain weight for the compiled steps, and float32 ones stay plain."""
-        return pack_linears_for_cpu(module, keep_plain=self.compiles,
-                                    float32=not self.compiles)
+        """`module`'s linears replaced for their kernels (module docstring; how many): with
+        compile each packed bfloat16 linear also keeps its plain weight for the compiled
+        steps."""
+        return prepare_cpu_linears(module, self.linear_choice.kernel or "mkl",
+                                   keep_plain=self.compiles)
 
     def make_draft_loop(self, loop: DraftLoop, shape: DraftLoopShape) -> DraftLoopRunner:
         del shape  # compiled with dynamic batch and width
@@ -189,13 +194,13 @@ class CpuBackend(Backend):
         return fallbacks
 
     def linears_status(self) -> str:
+        if self.linear_choice.kernel is not None:
+            return self.linear_choice.describe()
         if self.num_packed_linears:
             return (f"packed for oneDNN ({self.num_packed_linears} "
                     f"{self.model_dtype_name} linears)")
         if self.unpacked_reason:
             return f"nn.Linear ({self.unpacked_reason})"
-        if self.compiles:
-            return "nn.Linear (float32 with --cpu-compile: the compiled steps read them)"
         return "nn.Linear (nothing to pack)"
 
     def status(self) -> str:
@@ -270,11 +275,9 @@ class CpuBackend(Backend):
             sample_ids=sample_ids)
 
 
-def _unpacked_reason(model: torch.nn.Module, num_packed: int) -> str:
-    """Why a model with bfloat16 linears has none packed ("" when packed, or when it has no
-    bfloat16 linear to pack)."""
-    if num_packed or not any(can_pack(m) and m.weight.dtype == torch.bfloat16
-                             for m in model.modules()):
+def _unpacked_reason(model: torch.nn.Module) -> str:
+    """Why a model's bfloat16 linears stayed `nn.Linear` ("" when none did)."""
+    if not any(can_pack(m) and m.weight.dtype == torch.bfloat16 for m in model.modules()):
         return ""
     return bf16_packing_unsupported() or ""
 

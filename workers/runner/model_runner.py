@@ -235,7 +235,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             return CpuBackend(*args, compile=config.cpu_compile, verify_len=verify_len,
                               peers=self.peers,
-                              compile_in_background=config.cpu_compile_background)
+                              compile_in_background=config.cpu_compile_background,
+                              linear_kernel=config.cpu_linear)
         return EagerBackend(*args, peers=self.peers)
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
