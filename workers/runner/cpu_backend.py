@@ -69,19 +69,22 @@ log = logging.getLogger("specd.cpu_backend")
 class CpuBackend(Backend):
     """The CPU paths (see module docstring). compile: `--cpu-compile`; verify_len: the rows
     per sequence of the speculative worker's verify steps (compiled beside decode), or
-    None without a head. `stage` (the kept decode K/V) is None for a latent-cache model."""
+    None without a head; tensor_parallel: this rank is one of several. `stage` (the kept
+    decode K/V) is None for a latent-cache model."""
 
     def __init__(self, model: CausalLM, capture_layers: Sequence[int],
                  kv_caches: list[torch.Tensor], block_size: int, compile: bool,
                  verify_len: int | None, peers: Peers = NO_PEERS,
-                 compile_in_background: bool = False, linear_kernel: str = "auto") -> None:
+                 compile_in_background: bool = False, linear_kernel: str = "auto",
+                 tensor_parallel: bool = False) -> None:
         super().__init__(model, capture_layers, kv_caches, block_size, peers)
         # The compile thread (`--cpu-compile-background`), None when kinds compile in place.
         self.background = BackgroundCompiles() if compile and compile_in_background else None
         self.compiles = compile
         self.model_dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         # The float32 linears' kernel, measured here unless named (cpu_linears.py).
-        self.linear_choice = choose_float32_kernel(model, linear_kernel, compile)
+        self.linear_choice = choose_float32_kernel(model, linear_kernel, compile,
+                                                   tensor_parallel)
         self.num_packed_linears = self._pack_linears(model)
         self.unpacked_reason = _unpacked_reason(model)
         if self.unpacked_reason:

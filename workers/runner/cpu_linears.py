@@ -13,9 +13,13 @@ another (whose memory bandwidth, 8.6 GB/s read on one thread, bounds a decode st
 of weight reads) 1.2x, with "transposed" 0.83x. So `--cpu-linear auto` (the default) times
 the candidates over the model's float32 linears, in model order as a step reads them (up to
 `SAMPLE_BYTES` of weights: more than a last-level cache holds), at one row and at eight, in
-alternating rounds, and takes the one with the least summed median time. The choice, and
+alternating rounds, and takes the one with the least summed median time (about 0.3 s on the
+fixture; once per process for the same linear shapes). The choice, and
 every candidate's time, is one INFO record (event `cpu_linear_kernel`) and in `specctl
 status`. Naming a kernel skips the measurement.
+
+Under tensor parallelism `auto` measures nothing and takes "onednn" ("mkl" with
+`--cpu-compile`) on every rank: ranks measuring apart, on shared cores, could choose apart.
 
 With `--cpu-compile` "onednn" is no candidate: compiled steps cannot lower oneDNN's packed
 op, and the eager steps beside them (a fallback, the background compilation's first steps)
@@ -39,14 +43,17 @@ log = logging.getLogger("specd.cpu_linears")
 
 SAMPLE_BYTES = 64 << 20
 MEASURED_ROWS = (1, 8)
-_ROUNDS = 5
+_ROUNDS = 3
+# Each (candidates, sampled shapes) measured once per process: the machine does not change
+# under it, and tests build hundreds of engines over the same weights' shapes.
+_MEASURED: dict[tuple[tuple[str, ...], tuple[tuple[int, int, bool], ...]], dict[str, float]] = {}
 
 
 @dataclass(frozen=True)
 class LinearKernelChoice:
     """The float32 kernel (None: the model has no float32 linear), how it was chosen
-    ("auto" or "requested"), and each candidate's measured ms per pass over the sample
-    (summed over MEASURED_ROWS; empty when requested)."""
+    ("auto", "requested" or "tensor parallel"), and each candidate's measured ms per pass
+    over the sample (summed over MEASURED_ROWS; empty unless measured)."""
 
     kernel: str | None
     how: str
@@ -55,6 +62,8 @@ class LinearKernelChoice:
     def describe(self) -> str:
         if self.kernel is None:
             return "no float32 linears"
+        if self.how == "tensor parallel":
+            return f"float32 on {self.kernel} (tensor parallel: every rank alike, not measured)"
         if not self.ms:
             return f"float32 on {self.kernel} (requested)"
         times = ", ".join(f"{k} {ms:.2f}" for k, ms in self.ms.items())
@@ -67,10 +76,11 @@ def candidates(compiles: bool) -> tuple[str, ...]:
     return ("mkl", "onednn", "transposed") if onednn else ("mkl", "transposed")
 
 
-def choose_float32_kernel(model: nn.Module, requested: str, compiles: bool
-                          ) -> LinearKernelChoice:
+def choose_float32_kernel(model: nn.Module, requested: str, compiles: bool,
+                          tensor_parallel: bool = False) -> LinearKernelChoice:
     """`requested` ("auto" or a kernel) resolved for `model`'s float32 linears (module
-    docstring). A requested kernel this process cannot use raises ValueError."""
+    docstring; tensor_parallel: `auto` is not measured). A requested kernel this process
+    cannot use raises ValueError."""
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and can_pack(m) and m.weight.dtype == torch.float32]
     allowed = candidates(compiles)
@@ -81,8 +91,14 @@ def choose_float32_kernel(model: nn.Module, requested: str, compiles: bool
         choice = LinearKernelChoice(None, requested, {})
     elif requested != "auto":
         choice = LinearKernelChoice(requested, "requested", {})
+    elif tensor_parallel:
+        choice = LinearKernelChoice("onednn" if "onednn" in allowed else "mkl",
+                                    "tensor parallel", {})
     else:
-        ms = measure(_sample(linears), allowed)
+        sample = _sample(linears)
+        key = (allowed, tuple((m.in_features, m.out_features, m.bias is not None)
+                              for m in sample))
+        ms = _MEASURED.get(key) or _MEASURED.setdefault(key, measure(sample, allowed))
         choice = LinearKernelChoice(min(ms, key=ms.__getitem__), "auto", ms)
     log.info("float32 linears: %s", choice.describe(),
              extra={"event": "cpu_linear_kernel", "kernel": choice.kernel, "how": choice.how,

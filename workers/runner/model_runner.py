@@ -236,7 +236,8 @@ class ModelRunner:
             return CpuBackend(*args, compile=config.cpu_compile, verify_len=verify_len,
                               peers=self.peers,
                               compile_in_background=config.cpu_compile_background,
-                              linear_kernel=config.cpu_linear)
+                              linear_kernel=config.cpu_linear,
+                              tensor_parallel=config.tensor_parallel_size > 1)
         return EagerBackend(*args, peers=self.peers)
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
