@@ -184,7 +184,7 @@ class TransposedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def prepare_cpu_linears(model: nn.Module, float32_kernel: str = "onednn",
+def prepare_cpu_linears(model: nn.Module, float32_kernel: str,
                         keep_plain: bool = False) -> int:
     """Replace the dense linears of a CPU model for the kernels that run them; returns how
     many were replaced. bfloat16 ones become `PackedLinear` where this CPU can pack them

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specd.workers.config import CPU_LINEAR_KERNELS
 from specd.workers.models.layers import PackedLinear, TransposedLinear, can_pack
 
 log = logging.getLogger("specd.cpu_linears")
@@ -73,7 +74,7 @@ class LinearKernelChoice:
 def candidates(compiles: bool) -> tuple[str, ...]:
     """The float32 kernels this process can use (module docstring)."""
     onednn = torch.backends.mkldnn.is_available() and not compiles
-    return ("mkl", "onednn", "transposed") if onednn else ("mkl", "transposed")
+    return tuple(k for k in CPU_LINEAR_KERNELS if k != "onednn" or onednn)
 
 
 def choose_float32_kernel(model: nn.Module, requested: str, compiles: bool,
